@@ -1,0 +1,28 @@
+# One virtual environment serves everything (the SGLang tests included). `make test` and `make serve` create it
+# on first use and refresh it when pyproject.toml changes.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test serve clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev,serve,plot]"
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest -q --timeout=900 tests
+
+serve: venv
+	$(BIN)/python -m glance_sgl.cli serve-example
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,327 @@
+"""GlanceDrafter: the block-diffusion draft head (design §1).
+
+A few Qwen3-style decoder layers that own neither an embedding nor an LM head. Context features are the
+target's tap-layer hidden states, concatenated and projected: ``ctx = RMSNorm(fc(concat(h_taps)))``. In every
+layer, queries come from the block tokens only; keys/values are ``k_proj``/``v_proj`` of
+``[context ; block]`` (k-norm, then RoPE with plain 1-D positions). Context K/V live in a :class:`DrafterCache`
+across rounds; the block's K/V are never stored. Attention is non-causal.
+
+Everything is batched torch with no Hugging Face or SGLang types in the signatures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GlanceConfig
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding. ``x``: [B, heads, T, d]; ``positions``: [B, T] (int)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, d]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class DrafterAttention(nn.Module):
+    """KV-injected attention: block queries over ``[context K/V ; block K/V]``."""
+
+    def __init__(self, cfg: GlanceConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.rope_theta = cfg.rope_theta
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [B, n, T, d]
+
+    def key_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V of ``x`` [B, T, H] at ``positions`` [B, T]: each [B, kv_heads, T, d]."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads))
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        return apply_rope(k, positions, self.rope_theta), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """``x``: normed block states [B, M, H]; ``positions`` [B, M]; ``ctx_k``/``ctx_v`` [B, kv, C, d];
+        ``mask``: bool [B, 1, M, C+M], True where a query may attend. Returns [B, M, H]."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), positions, self.rope_theta)
+        k_blk, v_blk = self.key_values(x, positions)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, _, m, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, m, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: GlanceConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: GlanceConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DrafterMLP(cfg)
+
+    def forward(self, x, positions, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DrafterCache:
+    """Context K/V of the head, per layer ``[B, kv_heads, capacity, head_dim]``, plus ``lengths`` [B].
+
+    ``lengths[b]`` is the number of context tokens of request b; context token j sits at 1-D position j.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: torch.Tensor) -> None:
+        self.keys, self.values, self.lengths = keys, values, lengths
+
+    @classmethod
+    def empty(cls, cfg: GlanceConfig, batch: int, device, dtype, capacity: int = 256) -> "DrafterCache":
+        shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        n = cfg.num_hidden_layers
+        return cls(
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)],
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)],
+            torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, needed: int) -> None:
+        """Grow the buffers (doubling) so that ``needed`` context tokens fit."""
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for i, buf in enumerate(store):
+                grown = buf.new_zeros(buf.shape[0], buf.shape[1], new_cap, buf.shape[3])
+                grown[:, :, : buf.shape[2]] = buf
+                store[i] = grown
+
+    def select(self, index: torch.Tensor) -> "DrafterCache":
+        """The cache of the requests at ``index`` (filtering or reordering a batch)."""
+        return DrafterCache(
+            [k.index_select(0, index) for k in self.keys],
+            [v.index_select(0, index) for v in self.values],
+            self.lengths.index_select(0, index),
+        )
+
+
+class GlanceDrafter(nn.Module):
+    """The GLANCE draft head. Bind the target's input embedding and LM head with :meth:`bind_target`."""
+
+    def __init__(self, config: GlanceConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.tap_layers) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DrafterLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        # Shared with the target by reference; kept out of parameters() and the saved state dict.
+        self._shared: dict[str, nn.Module] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    # ------------------------------------------------------------------ target sharing
+    def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "GlanceDrafter":
+        """Share the target's (frozen) input embedding and LM head."""
+        if embed_tokens.weight.shape[0] != self.config.vocab_size:
+            raise ValueError(
+                f"target vocabulary {embed_tokens.weight.shape[0]} != drafter vocabulary {self.config.vocab_size}"
+            )
+        if embed_tokens.weight.shape[1] != self.config.hidden_size:
+            raise ValueError(
+                f"target hidden size {embed_tokens.weight.shape[1]} != drafter hidden size {self.config.hidden_size}"
+            )
+        self._shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+        return self
+
+    def _target_module(self, name: str) -> nn.Module:
+        if name not in self._shared:
+            raise RuntimeError("drafter is not bound to a target: call bind_target(embed_tokens, lm_head) first")
+        return self._shared[name]
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self._target_module("embed_tokens")(token_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._target_module("lm_head")(self.norm(hidden))
+
+    # ------------------------------------------------------------------ context
+    def project_context(self, tap_hidden: torch.Tensor) -> torch.Tensor:
+        """``tap_hidden`` [B, T, L*H] (taps concatenated in config order) -> context features [B, T, H]."""
+        return self.hidden_norm(self.fc(tap_hidden))
+
+    def new_cache(self, batch: int, device=None, dtype=None, capacity: int = 256) -> DrafterCache:
+        p = self.fc.weight
+        return DrafterCache.empty(self.config, batch, device or p.device, dtype or p.dtype, capacity)
+
+    @torch.no_grad()
+    def extend_context(self, cache: DrafterCache, tap_hidden: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append context tokens to ``cache``.
+
+        ``tap_hidden``: [B, T, L*H], request b's new tokens in rows ``0..counts[b]-1`` (rest is padding);
+        ``counts``: [B] int. Token j of request b gets position ``cache.lengths[b] + j``.
+        """
+        b, t, _ = tap_hidden.shape
+        counts = counts.to(cache.lengths.device)
+        cache.reserve(int((cache.lengths + counts).max().item()))
+        ctx = self.project_context(tap_hidden)
+        offsets = torch.arange(t, device=ctx.device)
+        positions = cache.lengths[:, None] + offsets[None, :]  # [B, T]
+        rows, cols = torch.nonzero(offsets[None, :] < counts[:, None], as_tuple=True)
+        dest = positions[rows, cols]
+        for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values):
+            k, v = layer.self_attn.key_values(ctx, positions)
+            k_buf[rows, :, dest] = k[rows, :, cols].to(k_buf.dtype)
+            v_buf[rows, :, dest] = v[rows, :, cols].to(v_buf.dtype)
+        cache.lengths += counts
+
+    # ------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def draft_block(self, cache: DrafterCache, root_tokens: torch.Tensor) -> torch.Tensor:
+        """One forward pass for the block ``[root, MASK x (B-1)]`` of every request.
+
+        ``root_tokens``: [B] (the last committed token, whose context features are not in the cache yet);
+        the block sits at positions ``cache.lengths[b] .. + block_size - 1``.
+        Returns draft logits [B, block_size - 1, V] for offsets 1..block_size-1.
+        """
+        bs, blk = root_tokens.shape[0], self.config.block_size
+        block = torch.full((bs, blk), self.config.mask_token_id, dtype=torch.long, device=root_tokens.device)
+        block[:, 0] = root_tokens
+        positions = cache.lengths[:, None] + torch.arange(blk, device=root_tokens.device)[None, :]
+        c = int(cache.lengths.max().item())
+        ctx_valid = torch.arange(c, device=root_tokens.device)[None, :] < cache.lengths[:, None]  # [B, C]
+        mask = torch.cat([ctx_valid, ctx_valid.new_ones(bs, blk)], dim=1)[:, None, None, :]  # [B,1,1,C+blk]
+        x = self.embed(block).to(self.fc.weight.dtype)
+        for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values):
+            x = layer(x, positions, k_buf[:, :, :c], v_buf[:, :, :c], mask)
+        return self.logits(x[:, 1:])
+
+    def forward_blocks(
+        self,
+        ctx: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        block_tokens: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """General (training) forward: many blocks over one context, with an explicit mask.
+
+        ``ctx``: context features [B, C, H]; ``ctx_positions`` [B, C]; ``block_tokens`` / ``block_positions``
+        [B, M]; ``mask``: bool [B, 1, M, C+M]. Returns the final hidden states [B, M, H] (apply :meth:`logits`).
+        """
+        x = self.embed(block_tokens).to(self.fc.weight.dtype)
+        for layer in self.layers:
+            k, v = layer.self_attn.key_values(ctx, ctx_positions)
+            x = layer(x, block_positions, k, v, mask)
+        return x
+
+    # ------------------------------------------------------------------ persistence
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` (the head only; never the shared target modules)."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.config.save(out)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "model_type": "glance_drafter"})
+        return out
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> "GlanceDrafter":
+        from safetensors.torch import load_file
+
+        config = GlanceConfig.load(directory)
+        weights = Path(directory) / WEIGHTS_NAME
+        if not weights.is_file():
+            raise FileNotFoundError(f"no drafter weights at {weights}")
+        model = cls(config)
+        state = load_file(str(weights))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"drafter checkpoint {directory} does not match its config: missing={missing}, unexpected={unexpected}")
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def for_target(cls, text_config, mask_token_id: int, seed: int | None = None, **overrides) -> "GlanceDrafter":
+        """A freshly initialised drafter sized for a target's text config (see GlanceConfig.for_target)."""
+        config = GlanceConfig.for_target(text_config, mask_token_id, **overrides)
+        if seed is not None:
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                return cls(config)
+        return cls(config)
+
+
+def draft_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Per-offset draft log-probabilities in fp32 (design: log_softmax in fp32). [B, D, V] -> [B, D, V]."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+__all__ = ["GlanceDrafter", "DrafterCache", "draft_logprobs", "apply_rope", "RMSNorm"]

@@ -1,0 +1,246 @@
+"""Adapter over Hugging Face Qwen-VL targets (Qwen2.5-VL, Qwen2-VL) for the embedded engine.
+
+One request at a time (batch 1 in the Hugging Face cache). What it does:
+- ``prepare``: chat messages with images -> model inputs through the real processor (chat template, image
+  processor, placeholder expansion, ``mm_token_type_ids`` so that M-RoPE positions are computed);
+- ``prefill``: the prompt pass, keeping the KV cache, the M-RoPE delta and the tap-layer hidden states;
+- ``forward_rows``: a tree-masked pass over packed rows (root + nodes) on top of the cache, with a FLOAT
+  additive 4D mask and explicit ``(3, 1, R)`` positions ``P + depth + rope_delta`` (design §3);
+- ``keep_rows``: keep the KV entries of the prefix and of the accepted rows (index-select per layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+
+
+class TargetError(ValueError):
+    """A request the target cannot serve (bad messages, too long, unsupported content)."""
+
+
+@dataclass
+class PreparedPrompt:
+    """Model inputs for one request: ``inputs`` holds input_ids [1, P], attention_mask, mm_token_type_ids and,
+    with images, pixel_values and image_grid_thw."""
+
+    inputs: dict[str, torch.Tensor]
+    num_images: int
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.inputs["input_ids"]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.inputs["input_ids"].shape[1])
+
+
+@dataclass
+class TargetState:
+    """A request's target-side state. ``length``: tokens in the KV cache; ``rope_delta``: M-RoPE offset of
+    text positions after the prompt (position of cache index i is ``i + rope_delta`` for generated tokens)."""
+
+    cache: Any
+    length: int
+    rope_delta: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RowsOutput:
+    """Output of a pass: ``logits`` [R, V] fp32-castable; ``taps`` [R, L*H] or None (capture off)."""
+
+    logits: torch.Tensor
+    taps: torch.Tensor | None
+
+
+def split_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Normalise OpenAI-style messages for the chat template and pull out the images in order.
+
+    Content is a string or a list of parts ``{"type": "text", "text": ...}`` / ``{"type": "image",
+    "image": PIL.Image}``. Returns (template messages, images).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise TargetError("messages must be a non-empty list")
+    out, images = [], []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise TargetError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role, content = msg["role"], msg["content"]
+        if role not in ("system", "user", "assistant"):
+            raise TargetError(f"messages[{i}].role must be system, user or assistant, got {role!r}")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise TargetError(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "image":
+                if part.get("image") is None:
+                    raise TargetError(f"messages[{i}].content[{j}] is an image part without an image")
+                images.append(part["image"])
+                parts.append({"type": "image"})
+            else:
+                raise TargetError(f"messages[{i}].content[{j}] has unsupported type {kind!r}")
+        out.append({"role": role, "content": parts})
+    return out, images
+
+
+class TargetAdapter:
+    """A loaded Qwen-VL target with its processor and tap hooks."""
+
+    def __init__(self, model: nn.Module, processor: Any, tap_layers: list[int] | None = None) -> None:
+        model_type = getattr(model.config, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise TargetError(f"unsupported target model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        self.model = model.eval()
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.text_config = model.config.get_text_config()
+        self.layers = model.model.language_model.layers
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture_on = False
+        self.tap_layers: list[int] = []
+        self.set_tap_layers(tap_layers or [])
+        for idx, layer in enumerate(self.layers):
+            layer.register_forward_hook(self._make_hook(idx))
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             tap_layers: list[int] | None = None) -> "TargetAdapter":
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
+        processor = AutoProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
+        return cls(model, processor, tap_layers)
+
+    def set_tap_layers(self, tap_layers: list[int]) -> None:
+        n = len(self.layers)
+        bad = [t for t in tap_layers if not 0 <= t < n]
+        if bad:
+            raise TargetError(f"tap layers {bad} outside the target's layers 0..{n - 1}")
+        self.tap_layers = list(tap_layers)
+
+    def _make_hook(self, idx: int):
+        def hook(_module, _inputs, output):
+            if self._capture_on and idx in self.tap_layers:
+                self._captured[idx] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = self.text_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        return ids
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.text_config, "max_position_embeddings", 4096))
+
+    def input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    # ------------------------------------------------------------------ prompt
+    def prepare(self, messages: list[dict[str, Any]]) -> PreparedPrompt:
+        """Chat template + image processor + placeholder expansion -> model inputs on the device."""
+        template_messages, images = split_messages(messages)
+        text = self.processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if images:
+            kwargs["images"] = images
+        try:
+            inputs = self.processor(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise TargetError(f"could not process the request's images: {exc}") from exc
+        inputs = {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        return PreparedPrompt(inputs=inputs, num_images=len(images))
+
+    # ------------------------------------------------------------------ passes
+    def _taps(self) -> torch.Tensor:
+        return torch.cat([self._captured[t][0] for t in self.tap_layers], dim=-1)
+
+    @torch.no_grad()
+    def prefill(self, prompt: PreparedPrompt, capture: bool = True) -> tuple[TargetState, RowsOutput]:
+        """Prompt pass. Returns the state (cache of P tokens) and the prompt rows' logits [P, V] / taps."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        self._capture_on, self._captured = capture, {}
+        try:
+            out = self.model(**prompt.inputs, past_key_values=cache, use_cache=True)
+            taps = self._taps() if capture and self.tap_layers else None
+        finally:
+            self._capture_on, self._captured = False, {}
+        deltas = self.model.model.rope_deltas
+        rope_delta = int(deltas.reshape(-1)[0]) if deltas is not None else 0
+        state = TargetState(cache=out.past_key_values, length=prompt.num_tokens, rope_delta=rope_delta)
+        return state, RowsOutput(logits=out.logits[0], taps=taps)
+
+    @torch.no_grad()
+    def forward_rows(
+        self, state: TargetState, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
+        capture: bool = True,
+    ) -> RowsOutput:
+        """Tree-masked pass over R packed rows on top of the cache (the cache grows by R).
+
+        ``tokens`` / ``depths``: [R] long; ``ancestors``: bool [R, R] (row i sees row j iff True).
+        Every row sees the whole prefix. Positions are ``P + depth + rope_delta`` on all three M-RoPE axes.
+        """
+        r, p = tokens.shape[0], state.length
+        dev, dtype = self.device, self.model.dtype
+        mask = torch.zeros(1, 1, r, p + r, device=dev, dtype=dtype)
+        mask[0, 0, :, p:] = torch.where(ancestors.to(dev), 0.0, torch.finfo(dtype).min).to(dtype)
+        pos = (p + depths.to(dev) + state.rope_delta).view(1, 1, r).expand(3, 1, r)
+        self._capture_on, self._captured = capture, {}
+        try:
+            out = self.model(
+                input_ids=tokens.view(1, r).to(dev),
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=state.cache,
+                use_cache=True,
+            )
+            taps = self._taps() if capture and self.tap_layers else None
+        finally:
+            self._capture_on, self._captured = False, {}
+        state.length += r
+        return RowsOutput(logits=out.logits[0], taps=taps)
+
+    def keep_rows(self, state: TargetState, num_rows: int, keep: torch.Tensor) -> None:
+        """After a pass over ``num_rows`` rows, keep only the rows ``keep`` (ascending row indices) in the
+        cache: entries become prefix + kept rows, in order."""
+        p = state.length - num_rows
+        dev = self.device
+        index = torch.cat([torch.arange(p, device=dev), p + keep.to(dev)])
+        for layer in state.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        state.length = p + int(keep.numel())

@@ -1,0 +1,147 @@
+"""Candidate trees from one-pass per-offset marginals (design §1, "Candidate tree").
+
+A tree is packed as rows ``[root] + nodes``: row 0 is the root (the last committed token), rows 1..N are
+drafted nodes in best-first order, so every parent precedes its children. Node scores are sums of per-offset
+log-probabilities along the path (offsets treated as independent); the N nodes kept are the N best of the
+(infinite) candidate tree, which is prefix-closed because scores only decrease with depth.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A batch of packed trees, all with the same number of rows ``N + 1``.
+
+    tokens:  [B, N+1] long, row 0 = root token
+    parents: [B, N+1] long, parent row of each row (-1 for the root)
+    depths:  [B, N+1] long, 0 for the root; a node at depth d drafts offset d (the token d steps after the root)
+    scores:  [B, N+1] float32, cumulative log-probability of the path (0 at the root)
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def ancestor_mask(self) -> torch.Tensor:
+        return ancestor_mask(self.parents)
+
+    def pointers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return tree_pointers(self.parents)
+
+
+def max_tree_size(max_depth: int, branch_k: int) -> int:
+    """Number of nodes of the full k-ary candidate tree of depth ``max_depth`` (the largest useful budget)."""
+    if branch_k == 1:
+        return max_depth
+    total, level = 0, 1
+    for _ in range(max_depth):
+        level *= branch_k
+        total += level
+        if total > 1 << 20:
+            break
+    return total
+
+
+def topk_per_offset(logprobs: torch.Tensor, branch_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each offset's distribution. ``logprobs`` [B, D, V] -> (values, token ids), each [B, D, k],
+    sorted by decreasing log-probability."""
+    k = min(branch_k, logprobs.shape[-1])
+    values, ids = torch.topk(logprobs.float(), k, dim=-1, sorted=True)
+    return values, ids
+
+
+def build_tree(
+    topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: torch.Tensor, budget: int
+) -> DraftTree:
+    """Best-first budget tree over per-offset top-k lists.
+
+    ``topk_values`` / ``topk_ids``: [B, D, k] (sorted, offset d-1 in row d-1 drafts depth d); ``root_tokens``:
+    [B]. Keeps ``min(budget, max_tree_size(D, k))`` nodes per request. Ties pop in insertion order (a node's
+    k children are pushed in top-k order), so the result is deterministic.
+    """
+    bs, depth_max, k = topk_ids.shape
+    n = min(budget, max_tree_size(depth_max, k))
+    vals = topk_values.detach().float().cpu().tolist()
+    ids = topk_ids.detach().cpu().tolist()
+    tokens = torch.empty(bs, n + 1, dtype=torch.long)
+    parents = torch.empty(bs, n + 1, dtype=torch.long)
+    depths = torch.empty(bs, n + 1, dtype=torch.long)
+    scores = torch.empty(bs, n + 1, dtype=torch.float32)
+    tokens[:, 0] = root_tokens.detach().cpu()
+    parents[:, 0], depths[:, 0], scores[:, 0] = -1, 0, 0.0
+    for b in range(bs):
+        v, t = vals[b], ids[b]
+        # heap entries: (-score, tie-break counter, parent row, depth, rank in the depth's top-k list)
+        heap = [(-v[0][j], j, 0, 1, j) for j in range(k)]
+        heapq.heapify(heap)
+        counter = k
+        for row in range(1, n + 1):
+            neg, _, parent, d, j = heapq.heappop(heap)
+            tokens[b, row], parents[b, row], depths[b, row], scores[b, row] = t[d - 1][j], parent, d, -neg
+            if d < depth_max:
+                for jj in range(k):
+                    heapq.heappush(heap, (neg - v[d][jj], counter, row, d + 1, jj))
+                    counter += 1
+    dev = topk_ids.device
+    return DraftTree(tokens.to(dev), parents.to(dev), depths.to(dev), scores.to(dev))
+
+
+def chain_tree(topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: torch.Tensor) -> DraftTree:
+    """The width-1 ablation: the greedy spine (top-1 at every offset), depth D."""
+    return build_tree(topk_values[..., :1], topk_ids[..., :1], root_tokens, budget=topk_ids.shape[1])
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[B, R] parent rows -> bool [B, R, R]; ``mask[b, i, j]`` is True iff row j is row i or an ancestor of it."""
+    bs, r = parents.shape
+    mask = torch.eye(r, dtype=torch.bool, device=parents.device).expand(bs, r, r).clone()
+    rows = torch.arange(r, device=parents.device).expand(bs, r)
+    batch = torch.arange(bs, device=parents.device)[:, None].expand(bs, r)
+    cur = parents.clone()
+    while bool((cur >= 0).any()):
+        valid = cur >= 0
+        mask[batch[valid], rows[valid], cur[valid]] = True
+        nxt = torch.full_like(cur, -1)
+        nxt[valid] = parents[batch[valid], cur[valid]]
+        cur = nxt
+    return mask
+
+
+def tree_pointers(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-child and next-sibling pointers (SGLang's ``retrive_next_token`` / ``retrive_next_sibling``).
+
+    First child = the smallest row whose parent is this row; next sibling = the smallest later row with the
+    same parent. -1 where none. ``parents`` [B, R] -> two [B, R] long tensors.
+    """
+    bs, r = parents.shape
+    rows = torch.arange(r, device=parents.device)
+    big = torch.full((bs, r, r), r, dtype=torch.long, device=parents.device)
+    # is_child[b, p, c]: row c's parent is p
+    is_child = parents[:, None, :] == rows[None, :, None]
+    first_child = torch.where(is_child, rows[None, None, :].expand(bs, r, r), big).min(dim=-1).values
+    # later sibling[b, i, c]: c > i and parent[c] == parent[i] (roots have no siblings)
+    same_parent = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0)
+    later = rows[None, None, :] > rows[None, :, None]
+    next_sibling = torch.where(same_parent & later, rows[None, None, :].expand(bs, r, r), big).min(dim=-1).values
+    first_child = torch.where(first_child == r, -1, first_child)
+    next_sibling = torch.where(next_sibling == r, -1, next_sibling)
+    return first_child, next_sibling
