@@ -155,7 +155,7 @@ class GlanceEngine:
                     f"drafter was built for a target with {cfg.num_target_layers} layers, this one has "
                     f"{len(target.layers)}"
                 )
-            target.set_tap_layers(cfg.tap_layers)
+            target.check_tap_layers(cfg.tap_layers)
             drafter.bind_target(target.input_embeddings(), target.lm_head())
             drafter.to(device=target.device, dtype=target.model.dtype).eval()
             self.budget = budget or cfg.budget
@@ -250,7 +250,7 @@ class GlanceEngine:
                 f"prompt ({prompt.num_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"length ({self.target.context_length})"
             )
-        state, rows = self.target.prefill(prompt, capture=mode != "ar")
+        state, rows = self.target.prefill(prompt, taps=self._taps(mode))
         first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec)[0])
         dcache = self._start_drafter(rows.taps) if mode != "ar" else None
         out.add([first])
@@ -275,6 +275,9 @@ class GlanceEngine:
         metrics.completion_tokens = len(out.token_ids)
         return GenerationResult(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
                                 metrics=metrics)
+
+    def _taps(self, mode: Mode) -> list[int] | None:
+        return self.drafter.config.tap_layers if mode != "ar" and self.drafter is not None else None
 
     def _emit(self, on_delta, out: _Output, tokens: list[int]) -> None:
         if on_delta is not None:
@@ -309,7 +312,8 @@ class GlanceEngine:
         """
         assert self.drafter is not None
         tree = self.draft_tree(dcache, committed[-1], mode)
-        rows = self.target.forward_rows(state, tree.tokens[0], tree.depths[0], tree.ancestor_mask()[0])
+        rows = self.target.forward_rows(state, tree.tokens[0], tree.depths[0], tree.ancestor_mask()[0],
+                                        taps=self.drafter.config.tap_layers)
         walk = verify_tree(tree.tokens, tree.parents, tree.depths, rows.logits[None].cpu(),
                            torch.tensor([len(committed)]), [spec])
         accepted = int(walk.accept_lens[0])
@@ -322,7 +326,7 @@ class GlanceEngine:
         """One autoregressive step: the last committed token through the target, one new token out."""
         zero = torch.zeros(1, dtype=torch.long)
         rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
-                                        torch.ones(1, 1, dtype=torch.bool), capture=False)
+                                        torch.ones(1, 1, dtype=torch.bool))
         return [int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0])]
 
 

@@ -100,7 +100,7 @@ def split_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]]
 class TargetAdapter:
     """A loaded Qwen-VL target with its processor and tap hooks."""
 
-    def __init__(self, model: nn.Module, processor: Any, tap_layers: list[int] | None = None) -> None:
+    def __init__(self, model: nn.Module, processor: Any) -> None:
         model_type = getattr(model.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise TargetError(f"unsupported target model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
@@ -110,16 +110,13 @@ class TargetAdapter:
         self.text_config = model.config.get_text_config()
         self.layers = model.model.language_model.layers
         self._captured: dict[int, torch.Tensor] = {}
-        self._capture_on = False
-        self.tap_layers: list[int] = []
-        self.set_tap_layers(tap_layers or [])
+        self._capturing: frozenset[int] = frozenset()
         for idx, layer in enumerate(self.layers):
             layer.register_forward_hook(self._make_hook(idx))
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-             tap_layers: list[int] | None = None) -> "TargetAdapter":
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "TargetAdapter":
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         path = Path(model_dir)
@@ -127,18 +124,17 @@ class TargetAdapter:
             raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device)
-        return cls(model, processor, tap_layers)
+        return cls(model, processor)
 
-    def set_tap_layers(self, tap_layers: list[int]) -> None:
+    def check_tap_layers(self, taps: list[int]) -> None:
         n = len(self.layers)
-        bad = [t for t in tap_layers if not 0 <= t < n]
+        bad = [t for t in taps if not 0 <= t < n]
         if bad:
             raise TargetError(f"tap layers {bad} outside the target's layers 0..{n - 1}")
-        self.tap_layers = list(tap_layers)
 
     def _make_hook(self, idx: int):
         def hook(_module, _inputs, output):
-            if self._capture_on and idx in self.tap_layers:
+            if idx in self._capturing:
                 self._captured[idx] = output[0] if isinstance(output, tuple) else output
 
         return hook
@@ -184,55 +180,51 @@ class TargetAdapter:
         return PreparedPrompt(inputs=inputs, num_images=len(images))
 
     # ------------------------------------------------------------------ passes
-    def _taps(self) -> torch.Tensor:
-        return torch.cat([self._captured[t][0] for t in self.tap_layers], dim=-1)
+    def _run_capturing(self, taps: list[int] | None, **model_inputs: Any) -> tuple[Any, torch.Tensor | None]:
+        """Run the model, capturing the outputs of decoder layers ``taps`` (concatenated in that order)."""
+        self._capturing, self._captured = frozenset(taps or ()), {}
+        try:
+            out = self.model(**model_inputs)
+            captured = torch.cat([self._captured[t][0] for t in taps], dim=-1) if taps else None
+        finally:
+            self._capturing, self._captured = frozenset(), {}
+        return out, captured
 
     @torch.no_grad()
-    def prefill(self, prompt: PreparedPrompt, capture: bool = True) -> tuple[TargetState, RowsOutput]:
-        """Prompt pass. Returns the state (cache of P tokens) and the prompt rows' logits [P, V] / taps."""
+    def prefill(self, prompt: PreparedPrompt, taps: list[int] | None = None) -> tuple[TargetState, RowsOutput]:
+        """Prompt pass. Returns the state (cache of P tokens) and the prompt rows' logits [P, V] and, when
+        ``taps`` names decoder layers, their outputs concatenated [P, len(taps)*H]."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        self._capture_on, self._captured = capture, {}
-        try:
-            out = self.model(**prompt.inputs, past_key_values=cache, use_cache=True)
-            taps = self._taps() if capture and self.tap_layers else None
-        finally:
-            self._capture_on, self._captured = False, {}
+        out, captured = self._run_capturing(taps, **prompt.inputs, past_key_values=cache, use_cache=True)
         deltas = self.model.model.rope_deltas
         rope_delta = int(deltas.reshape(-1)[0]) if deltas is not None else 0
         state = TargetState(cache=out.past_key_values, length=prompt.num_tokens, rope_delta=rope_delta)
-        return state, RowsOutput(logits=out.logits[0], taps=taps)
+        return state, RowsOutput(logits=out.logits[0], taps=captured)
 
     @torch.no_grad()
     def forward_rows(
         self, state: TargetState, tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
-        capture: bool = True,
+        taps: list[int] | None = None,
     ) -> RowsOutput:
         """Tree-masked pass over R packed rows on top of the cache (the cache grows by R).
 
         ``tokens`` / ``depths``: [R] long; ``ancestors``: bool [R, R] (row i sees row j iff True).
         Every row sees the whole prefix. Positions are ``P + depth + rope_delta`` on all three M-RoPE axes.
+        ``taps``: decoder layers whose outputs to return, as in :meth:`prefill`.
         """
         r, p = tokens.shape[0], state.length
         dev, dtype = self.device, self.model.dtype
         mask = torch.zeros(1, 1, r, p + r, device=dev, dtype=dtype)
         mask[0, 0, :, p:] = torch.where(ancestors.to(dev), 0.0, torch.finfo(dtype).min).to(dtype)
         pos = (p + depths.to(dev) + state.rope_delta).view(1, 1, r).expand(3, 1, r)
-        self._capture_on, self._captured = capture, {}
-        try:
-            out = self.model(
-                input_ids=tokens.view(1, r).to(dev),
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=state.cache,
-                use_cache=True,
-            )
-            taps = self._taps() if capture and self.tap_layers else None
-        finally:
-            self._capture_on, self._captured = False, {}
+        out, captured = self._run_capturing(
+            taps, input_ids=tokens.view(1, r).to(dev), attention_mask=mask, position_ids=pos,
+            past_key_values=state.cache, use_cache=True,
+        )
         state.length += r
-        return RowsOutput(logits=out.logits[0], taps=taps)
+        return RowsOutput(logits=out.logits[0], taps=captured)
 
     def keep_rows(self, state: TargetState, num_rows: int, keep: torch.Tensor) -> None:
         """After a pass over ``num_rows`` rows, keep only the rows ``keep`` (ascending row indices) in the
