@@ -1,0 +1,73 @@
+"""`glance generate` on a tiny random checkpoint and drafter saved by the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_image, random_drafter
+
+
+def run_glance(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "glance_sgl.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, target_dirs, targets):
+    root = tmp_path_factory.mktemp("cli")
+    drafter_dir = root / "drafter"
+    random_drafter(targets["qwen2_5_vl"], seed=9).save_pretrained(drafter_dir)
+    image = root / "picture.png"
+    make_image(3, (112, 140)).save(image)
+    return target_dirs["qwen2_5_vl"], str(drafter_dir), str(image)
+
+
+def test_generate_json(saved, engines):
+    model, drafter, image = saved
+    proc = run_glance("generate", "--model", model, "--drafter", drafter, "--image", image,
+                      "--prompt", "what colour is the square", "--max-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"text", "token_ids", "finish_reason", "metrics"}
+    m = out["metrics"]
+    for key in ("tau", "tau_minus_1", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_histogram",
+                "prefill_ms", "decode_ms", "decode_tokens_per_s", "mean_root_entropy"):
+        assert key in m
+    assert m["completion_tokens"] == len(out["token_ids"]) <= 12
+    ar = json.loads(run_glance("generate", "--model", model, "--image", image, "--prompt",
+                               "what colour is the square", "--max-tokens", "12", "--ar", "--json").stdout)
+    assert ar["token_ids"] == out["token_ids"] and ar["metrics"]["mode"] == "ar"
+
+
+def test_generate_plain_output(saved):
+    model, drafter, image = saved
+    proc = run_glance("generate", "--model", model, "--drafter", drafter, "--image", image, "--prompt", "hi",
+                      "--max-tokens", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert "tau" in proc.stderr and "prefill" in proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--image", "/nonexistent.png"], "image not found"),
+    (["--max-tokens", "0"], "--max-tokens"),
+])
+def test_generate_errors_name_the_problem(saved, args, message):
+    model, drafter, image = saved
+    proc = run_glance("generate", "--model", model, "--drafter", drafter, "--prompt", "hi", *args)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_rejects_a_non_image(saved, tmp_path):
+    model, drafter, _ = saved
+    fake = tmp_path / "notes.png"
+    fake.write_text("not an image")
+    proc = run_glance("generate", "--model", model, "--drafter", drafter, "--prompt", "hi", "--image", str(fake))
+    assert proc.returncode == 2 and "not a readable image" in proc.stderr
+    proc = run_glance("generate", "--model", str(tmp_path), "--prompt", "hi", "--ar")
+    assert proc.returncode == 2 and "config.json" in proc.stderr

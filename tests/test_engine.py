@@ -1,0 +1,116 @@
+"""Engine behaviour: stop conditions, streaming, metrics consistency, bad requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from glance_sgl.engine import GlanceEngine, RequestError, SamplingParams, StreamDelta
+from glance_sgl.target import TargetError
+
+from conftest import make_prompts
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines["qwen2_5_vl"]
+
+
+@pytest.fixture(scope="module")
+def messages():
+    return make_prompts(3, seed=31)[0]
+
+
+def test_max_tokens_and_metrics(engine, messages):
+    result = engine.generate(messages, SamplingParams(max_tokens=7))
+    m = result.metrics
+    assert len(result.token_ids) <= 7
+    if len(result.token_ids) == 7:
+        assert result.finish_reason == "length"
+    assert m.completion_tokens == len(result.token_ids) == 1 + sum(m.committed_per_round)
+    assert sum(m.acceptance_histogram) == m.rounds
+    assert m.tau == pytest.approx(sum(m.committed_per_round) / m.rounds)
+    assert m.tau_minus_1 == pytest.approx(m.tau - 1)
+    assert len(m.root_entropies) == m.rounds and m.mean_root_entropy >= 0
+    assert m.prefill_ms > 0 and m.decode_ms > 0 and m.decode_tokens_per_s > 0
+    d = m.to_dict()
+    for key in ("tau", "tau_minus_1", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_histogram",
+                "prefill_ms", "decode_ms", "decode_tokens_per_s", "mean_root_entropy"):
+        assert key in d
+
+
+def test_stop_string_cuts_text(engine, messages):
+    full = engine.generate(messages, SamplingParams(max_tokens=24))
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    cut = engine.generate(messages, SamplingParams(max_tokens=24, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert stop not in cut.text
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+def test_eos_stops(engine, messages):
+    full = engine.generate(messages, SamplingParams(max_tokens=24))
+    eos = full.token_ids[3]
+    engine.eos_ids.add(eos)
+    try:
+        got = engine.generate(messages, SamplingParams(max_tokens=24))
+    finally:
+        engine.eos_ids.discard(eos)
+    first = full.token_ids.index(eos)
+    assert got.token_ids == full.token_ids[: first + 1] and got.finish_reason == "stop"
+
+
+def test_streaming_deltas_add_up(engine, messages):
+    deltas: list[StreamDelta] = []
+    result = engine.generate(messages, SamplingParams(max_tokens=20), on_delta=deltas.append)
+    assert sum(len(d.token_ids) for d in deltas) == len(result.token_ids)
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    assert "".join(d.text for d in deltas) == result.text
+    items = list(engine.stream(messages, SamplingParams(max_tokens=20)))
+    assert items[-1].token_ids == result.token_ids
+    assert "".join(i.text for i in items[:-1]) == result.text
+
+
+def test_stream_with_stop_string_never_leaks_it(engine, messages):
+    full = engine.generate(messages, SamplingParams(max_tokens=24))
+    stop = full.text[3:6]
+    items = list(engine.stream(messages, SamplingParams(max_tokens=24, stop=[stop])))
+    streamed = "".join(i.text for i in items[:-1])
+    assert streamed == items[-1].text and stop not in streamed
+
+
+def test_cancellation(engine, messages):
+    calls = []
+    result = engine.generate(messages, SamplingParams(max_tokens=24), should_stop=lambda: calls.append(1) or True)
+    assert result.finish_reason == "cancelled" and len(result.token_ids) == 1
+    stream = engine.stream(messages, SamplingParams(max_tokens=24))
+    next(stream)
+    stream.close()  # closing early cancels and joins the worker
+    assert engine.generate(messages, SamplingParams(max_tokens=3)).token_ids  # engine still usable
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=0), SamplingParams(temperature=-1), SamplingParams(top_p=0),
+    SamplingParams(stop=[""]), SamplingParams(max_tokens=10**7),
+])
+def test_bad_sampling_params(engine, messages, params):
+    with pytest.raises(RequestError):
+        engine.generate(messages, params)
+
+
+@pytest.mark.parametrize("bad", [
+    [], [{"role": "user"}], [{"role": "robot", "content": "hi"}],
+    [{"role": "user", "content": [{"type": "video"}]}], [{"role": "user", "content": [{"type": "image"}]}],
+    [{"role": "user", "content": 42}],
+])
+def test_bad_messages(engine, bad):
+    with pytest.raises(TargetError):
+        engine.generate(bad, SamplingParams(max_tokens=3))
+
+
+def test_ar_engine_without_drafter(targets, messages):
+    engine = GlanceEngine(targets["qwen2_vl"], None, mode="ar")
+    assert engine.generate(messages, SamplingParams(max_tokens=5)).metrics.tau == 1.0
+    with pytest.raises(RequestError):
+        engine.generate(messages, SamplingParams(max_tokens=5), mode="glance")
