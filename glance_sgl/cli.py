@@ -107,7 +107,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tiny(args: argparse.Namespace) -> int:
+    """Build a tiny random target and drafter: a smoke-test checkpoint pair for trying the engine."""
+    from .checkpoints import MASK_TOKEN, build_random_target
+    from .drafter import GlanceDrafter
+    from .target import TargetAdapter
+
+    out = Path(args.out)
+    target_dir = build_random_target(out / "target", arch=args.arch, seed=args.seed)
+    target = TargetAdapter.load(target_dir)
+    mask_id = target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    GlanceDrafter.for_target(target.text_config, mask_id, seed=args.seed).save_pretrained(out / "drafter")
+    print(f"target:  {target_dir}\ndrafter: {out / 'drafter'}")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    tiny = sub.add_parser("tiny", help="build a tiny RANDOM target + drafter pair (smoke tests, not answers)")
+    tiny.add_argument("--out", required=True, help="directory to write target/ and drafter/ into")
+    tiny.add_argument("--arch", choices=["qwen2_5_vl", "qwen2_vl"], default="qwen2_5_vl")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_tiny)
     gen = sub.add_parser("generate", help="answer one image + prompt with GLANCE (or autoregressively with --ar)")
     gen.add_argument("--model", help="Hugging Face Qwen2.5-VL / Qwen2-VL directory (default: bundled demo)")
     gen.add_argument("--drafter", help="GLANCE drafter directory (default: bundled demo drafter)")
