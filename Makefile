@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev,serve,plot]"
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements/sglang-nodeps.txt
 	touch $(STAMP)
 
 test: venv

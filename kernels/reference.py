@@ -113,15 +113,32 @@ def mask_indptr(num_rows: int, prefix_lens: Sequence[int], packed: bool) -> list
     return out
 
 
+def _segment_of(offsets: torch.Tensor, indptr: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Request of each flat offset, given segment offsets ``indptr`` [bs + 1]."""
+    bounds = torch.tensor([int(x) for x in indptr[1:]], dtype=torch.long, device=device)
+    return torch.searchsorted(bounds, offsets, right=True)
+
+
+def _full_bits(tree_mask: torch.Tensor, prefix: torch.Tensor, b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Bit ``p`` of request ``b``'s FULL segment (``N`` rows of ``prefix + N`` columns); False past its end."""
+    n = tree_mask.shape[1]
+    width = prefix[b] + n
+    valid = p < n * width
+    i, c = (p // width).clamp(max=n - 1), p % width
+    in_tree = tree_mask[b, i, (c - prefix[b]).clamp(0, n - 1)]
+    return valid & ((c < prefix[b]) | in_tree)
+
+
 def full_mask(tree_mask: torch.Tensor, prefix_lens: Sequence[int]) -> torch.Tensor:
     """SGLang's flat bool FULL mask for TARGET_VERIFY: per request ``N x (prefix + N)`` (the prefix all True,
     then the tree mask), row-major, concatenated over requests. ``tree_mask`` bool [bs, N, N] -> [sum]."""
-    bs, n, _ = tree_mask.shape
-    parts = []
-    for b in range(bs):
-        ones = torch.ones(n, int(prefix_lens[b]), dtype=torch.bool, device=tree_mask.device)
-        parts.append(torch.cat([ones, tree_mask[b].bool()], dim=1).flatten())
-    return torch.cat(parts) if parts else tree_mask.new_zeros(0, dtype=torch.bool)
+    dev = tree_mask.device
+    indptr = mask_indptr(tree_mask.shape[1], prefix_lens, packed=False)
+    flat = torch.arange(indptr[-1], device=dev)
+    b = _segment_of(flat, indptr, dev)
+    start = torch.tensor(indptr[:-1], dtype=torch.long, device=dev)
+    prefix = torch.tensor([int(x) for x in prefix_lens], dtype=torch.long, device=dev)
+    return _full_bits(tree_mask.bool(), prefix, b, flat - start[b])
 
 
 def packbits_little(bits: torch.Tensor) -> torch.Tensor:
@@ -146,8 +163,15 @@ def segment_packbits(bits: torch.Tensor, indptr: Sequence[int]) -> tuple[torch.T
 def packed_mask(tree_mask: torch.Tensor, prefix_lens: Sequence[int]) -> torch.Tensor:
     """FlashInfer's packed custom mask: each request's FULL segment packed little-endian on its own.
     ``tree_mask`` bool [bs, N, N] -> uint8 [sum_b ceil(N (prefix_b + N) / 8)]."""
-    n = tree_mask.shape[1]
-    return segment_packbits(full_mask(tree_mask, prefix_lens), mask_indptr(n, prefix_lens, packed=False))[0]
+    dev = tree_mask.device
+    indptr = mask_indptr(tree_mask.shape[1], prefix_lens, packed=True)
+    byte = torch.arange(indptr[-1], device=dev)
+    b = _segment_of(byte, indptr, dev)
+    start = torch.tensor(indptr[:-1], dtype=torch.long, device=dev)
+    prefix = torch.tensor([int(x) for x in prefix_lens], dtype=torch.long, device=dev)
+    p = (byte - start[b])[:, None] * 8 + torch.arange(8, device=dev)
+    bits = _full_bits(tree_mask.bool(), prefix, b[:, None].expand_as(p), p)
+    return packbits_little(bits.flatten())
 
 
 # ---------------------------------------------------------------------------------------------- verify
