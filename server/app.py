@@ -1,0 +1,434 @@
+"""The FastAPI app: routes, the ASGI guards (metrics, API key, body size) and the job consumers.
+
+Endpoints: ``POST /v1/chat/completions`` (OpenAI; SSE with ``stream: true``), ``POST /v1/generate``
+(multipart: image file(s) + prompt -> JSON), ``POST /generate`` (SGLang's native format, answered by this
+gateway's backend), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (readiness),
+``GET /metrics`` (Prometheus). Every error is an OpenAI-style body with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import UploadFile
+
+from .config import ServerConfig
+from .errors import APIError, bad_request
+from .images import decode_data_url, decode_image
+from .jobs import Backend, GenOutput, GenRequest, Job
+from .protocol import (ChatRequest, check_model, chat_request, chunk_body, completion_body, sampling_params,
+                       usage)
+from .sglang import meta_info, parse_prompt, render_prompt
+from .telemetry import Telemetry
+
+log = logging.getLogger("glance_server")
+OPEN_PATHS = {"/health", "/ready", "/metrics"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ------------------------------------------------------------------------------------------------ ASGI guards
+class Guards:
+    """Outermost middleware: counts and times every request (by route template and status), refuses a wrong
+    or missing API key (401) and bodies over the limit (413, from Content-Length or while reading)."""
+
+    def __init__(self, app, config: ServerConfig, telemetry: Telemetry) -> None:
+        self.app, self.config, self.telemetry = app, config, telemetry
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._auth(scope)
+            if refusal is None:
+                receive, refusal = await self._limit_body(scope, receive)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "other"
+            self.telemetry.requests.labels(label, str(status["code"])).inc()
+            self.telemetry.latency.labels(label).observe(time.perf_counter() - t0)
+
+    def _auth(self, scope) -> APIError | None:
+        if not self.config.api_key or scope["path"] in OPEN_PATHS:
+            return None
+        headers = dict(scope["headers"])
+        value = headers.get(b"authorization", b"").decode("latin-1")
+        token = value[7:].strip() if value[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), self.config.api_key.encode()):
+            return APIError(401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    async def _limit_body(self, scope, receive):
+        """Reads the body up front (at most the limit) and replays it; 413 beyond the limit."""
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return receive, None
+        limit = self.config.max_body_bytes
+        too_big = APIError(413, f"request body is larger than {limit} bytes", "request_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return receive, too_big
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                chunks = None
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return receive, too_big
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}] if chunks is not None \
+            else [{"type": "http.disconnect"}]
+
+        async def replay_receive():
+            return replay.pop(0) if replay else await receive()
+
+        return replay_receive, None
+
+
+# ------------------------------------------------------------------------------------------------ consumers
+async def wait_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Gateway:
+    """Shared state of the routes."""
+
+    def __init__(self, config: ServerConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        self.telemetry = Telemetry(backend.stats)
+        self.http: httpx.AsyncClient | None = None  # remote image fetches
+        self.started = int(time.time())
+
+    def submit(self, req: GenRequest) -> Job:
+        try:
+            return self.backend.submit(req)
+        except APIError as exc:
+            if exc.status >= 500:
+                self.telemetry.engine_errors.inc()
+            raise
+
+    def finished(self, out: GenOutput) -> None:
+        self.telemetry.observe_generation(out.glance, out.prompt_tokens, out.completion_tokens, out.finish_reason)
+
+    def failed(self, exc: APIError) -> None:
+        if exc.status >= 500:
+            self.telemetry.engine_errors.inc()
+
+    async def events(self, job: Job, t0: float) -> AsyncIterator[tuple[str, Any]]:
+        """A job's events until done / error, with telemetry; past the request timeout: cancel and 504."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        first = True
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.next_event(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                job.cancel()
+                raise APIError(504, f"generation took longer than {self.config.request_timeout_s} s", "timeout")
+            if kind == "delta" and first:
+                first = False
+                self.telemetry.ttft.observe(time.perf_counter() - t0)
+            elif kind == "done":
+                self.finished(payload)
+            elif kind == "error":
+                self.failed(payload)
+            yield kind, payload
+            if kind in ("done", "error"):
+                return
+
+    async def collect(self, job: Job, request: Request, t0: float) -> GenOutput:
+        """Wait for a job's result; a client that goes away cancels it."""
+        watcher = asyncio.create_task(wait_disconnect(request))
+        watcher.add_done_callback(lambda task: job.cancel() if not task.cancelled() else None)
+        try:
+            async for kind, payload in self.events(job, t0):
+                if kind == "done":
+                    return payload
+                if kind == "error":
+                    raise payload
+        finally:
+            watcher.cancel()
+            job.cancel()
+        raise APIError(500, "the job ended without a result", "internal_error")
+
+    async def stream(self, job: Job, t0: float, chunks) -> AsyncIterator[bytes]:
+        """SSE framing of a job; ``chunks`` turns events into JSON objects. When the client goes, Starlette
+        cancels this generator and the job is cancelled with it."""
+        try:
+            for obj in chunks.start():
+                yield sse(obj)
+            async for kind, payload in self.events(job, t0):
+                objs = (chunks.delta(payload) if kind == "delta" else chunks.done(payload) if kind == "done"
+                        else [payload.body()])
+                for obj in objs:
+                    yield sse(obj)
+        except APIError as exc:
+            yield sse(exc.body())
+        finally:
+            job.cancel()
+        yield b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ChatChunks:
+    """OpenAI chat.completion.chunk objects. The ``glance`` object rides on the last chunk before [DONE]
+    (the usage chunk with ``stream_options.include_usage``, else the chunk with ``finish_reason``)."""
+
+    def __init__(self, rid: str, model: str, include_usage: bool) -> None:
+        self.rid, self.model, self.include_usage = rid, model, include_usage
+        self.created = int(time.time())
+
+    def start(self):
+        yield chunk_body(self.rid, self.model, self.created, {"role": "assistant", "content": ""})
+
+    def delta(self, delta):
+        if delta.text:
+            yield chunk_body(self.rid, self.model, self.created, {"content": delta.text})
+
+    def done(self, out: GenOutput):
+        if self.include_usage:
+            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason)
+            yield chunk_body(self.rid, self.model, self.created, None, usage=usage(out), glance=out.glance)
+        else:
+            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason, glance=out.glance)
+
+
+class NativeChunks:
+    """SGLang ``/generate`` stream objects: cumulative text and output_ids, meta_info on every chunk."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid, self.text, self.ids = rid, "", []
+        self.t0 = time.perf_counter()
+
+    def start(self):
+        return ()
+
+    def delta(self, delta):
+        self.text += delta.text
+        self.ids += delta.token_ids
+        yield {"text": self.text, "output_ids": list(self.ids),
+               "meta_info": meta_info(self.rid, None, len(self.ids), None, self._elapsed())}
+
+    def done(self, out: GenOutput):
+        yield native_body(self.rid, out, self._elapsed())
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def native_body(rid: str, out: GenOutput, e2e_latency: float) -> dict[str, Any]:
+    return {"text": out.text, "output_ids": list(out.token_ids),
+            "meta_info": meta_info(rid, out, out.completion_tokens, out.prompt_tokens, e2e_latency)}
+
+
+# ------------------------------------------------------------------------------------------------ the app
+def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAPI:
+    """The gateway. ``processor`` (the model's processor) enables the SGLang-native ``/generate`` route."""
+    gw = Gateway(config, backend)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        gw.http = httpx.AsyncClient(follow_redirects=False, trust_env=False,
+                                    timeout=httpx.Timeout(config.remote_image_timeout_s))
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.stop()
+            await gw.http.aclose()
+
+    app = FastAPI(title="GLANCE gateway", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+        if err.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        return bad_request(message, "invalid_request", param).response()
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _exc):
+        return APIError(404, f"no route {request.method} {request.url.path}", "not_found").response()
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, _exc):
+        return APIError(405, f"method {request.method} not allowed on {request.url.path}",
+                        "method_not_allowed").response()
+
+    # -------------------------------------------------------------- probes and metadata
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        ok, why = await backend.check_ready()
+        body = {"status": "ready" if ok else "not ready", "reason": why, **backend.stats()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(gw.telemetry.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": gw.started,
+                                            "owned_by": "glance", "glance": backend.describe()}]}
+
+    # -------------------------------------------------------------- generation
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        t0 = time.perf_counter()
+        req = await chat_request(body, config, gw.http)
+        job = gw.submit(req)
+        model = config.served_model_name
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = ChatChunks(req.request_id, model, include)
+            return StreamingResponse(gw.stream(job, t0, chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+        out = await gw.collect(job, request, t0)
+        return completion_body(req.request_id, model, out)
+
+    @app.post("/v1/generate")
+    async def generate_multipart(request: Request):
+        """Multipart form: ``prompt`` + ``image`` file(s) (repeatable), optional ``max_tokens``,
+        ``temperature``, ``top_p``, ``seed``, ``stop`` (repeatable), ``mode``, ``measure_speedup``."""
+        t0 = time.perf_counter()
+        req = await multipart_request(request, config)
+        out = await gw.collect(gw.submit(req), request, t0)
+        return {"id": f"gen-{req.request_id}", "object": "glance.generation", "model": config.served_model_name,
+                "text": out.text, "finish_reason": out.finish_reason, "usage": usage(out), "glance": out.glance}
+
+    if processor is not None:
+        @app.post("/generate")
+        async def generate_native(request: Request):
+            """SGLang's native format, answered by this gateway's backend (``text`` must be a chat-template
+            prompt; ``image_data``: base64 data URLs only — never paths or URLs)."""
+            t0 = time.perf_counter()
+            try:
+                body = json.loads(await request.body())
+            except ValueError as exc:
+                raise bad_request("the request body is not valid JSON") from exc
+            req = await native_request(body, config, processor)
+            job = gw.submit(req)
+            rid = str(body.get("rid") or req.request_id)
+            if body.get("stream"):
+                return StreamingResponse(gw.stream(job, t0, NativeChunks(rid)),
+                                         media_type="text/event-stream", headers=SSE_HEADERS)
+            out = await gw.collect(job, request, t0)
+            return native_body(rid, out, time.perf_counter() - t0)
+
+    return Guards(app, config, gw.telemetry)
+
+
+# ------------------------------------------------------------------------------------------------ parsers
+def form_number(form, name: str, kind, default=None):
+    value = form.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return kind(value)
+    except ValueError as exc:
+        raise bad_request(f"{name} must be a number, got {value!r}", "invalid_value", name) from exc
+
+
+async def multipart_request(request: Request, config: ServerConfig) -> GenRequest:
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise bad_request("send multipart/form-data with a 'prompt' field and 'image' file(s)", "invalid_request")
+    try:
+        form = await request.form(max_files=config.max_images + 1, max_fields=32,
+                                  max_part_size=config.max_image_bytes)
+    except Exception as exc:  # malformed multipart / over the part limits
+        raise bad_request(f"could not read the form ({exc})", "invalid_request") from exc
+    prompt = form.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise bad_request("the form needs a non-empty 'prompt' field", "invalid_value", "prompt")
+    files = [f for key in ("image", "images") for f in form.getlist(key) if isinstance(f, UploadFile)]
+    if len(files) > config.max_images:
+        raise bad_request(f"{len(files)} images; this server allows at most {config.max_images}", "too_many_images",
+                          "image")
+    images = []
+    for k, upload in enumerate(files):
+        data = await upload.read(config.max_image_bytes + 1)
+        images.append(await asyncio.to_thread(decode_image, data, config, f"image[{k}]"))
+    check_model(form.get("model") or None, config)
+    mode = form.get("mode") or None
+    if mode not in (None, "glance", "chain", "ar"):
+        raise bad_request(f"mode must be glance, chain or ar, got {mode!r}", "invalid_value", "mode")
+    params = sampling_params(config, form_number(form, "max_tokens", int), form_number(form, "temperature", float, 0.0),
+                             form_number(form, "top_p", float), [s for s in form.getlist("stop") if s] or None,
+                             form_number(form, "seed", int))
+    content: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
+    content.append({"type": "text", "text": prompt})
+    measure = str(form.get("measure_speedup", "")).lower() in ("1", "true", "yes", "on")
+    return GenRequest(messages=[{"role": "user", "content": content}], params=params, mode=mode,
+                      measure_speedup=measure)
+
+
+async def native_request(body: Any, config: ServerConfig, processor) -> GenRequest:
+    """SGLang ``/generate`` JSON -> request (the prompt is parsed back into messages and re-rendered to check)."""
+    if not isinstance(body, dict) or not isinstance(body.get("text"), str):
+        raise bad_request("'text' (a chat-template prompt string) is required", "invalid_value", "text")
+    raw = body.get("image_data") or []
+    raw = [raw] if isinstance(raw, str) else raw
+    if not isinstance(raw, list) or len(raw) > config.max_images:
+        raise bad_request(f"image_data must be a list of at most {config.max_images} data URLs", "too_many_images",
+                          "image_data")
+    images = []
+    for k, item in enumerate(raw):
+        if not isinstance(item, str):
+            raise bad_request("image_data entries must be strings", "invalid_value", "image_data")
+        url = item if item.startswith("data:") else "data:image/png;base64," + item
+        images.append(await asyncio.to_thread(decode_data_url, url, config, f"image_data[{k}]"))
+    messages = parse_prompt(body["text"], images)
+    rendered, _ = render_prompt(processor, messages)
+    if rendered != body["text"]:
+        raise bad_request("text is not in this model's chat format", "invalid_prompt", "text")
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise bad_request("sampling_params must be an object", "invalid_value", "sampling_params")
+    seed = sp.get("sampling_seed", sp.get("seed"))
+    for name, value in (("max_new_tokens", sp.get("max_new_tokens")), ("sampling_seed", seed)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise bad_request(f"sampling_params.{name} must be an integer", "invalid_value", f"sampling_params.{name}")
+    params = sampling_params(config, sp.get("max_new_tokens", 128), sp.get("temperature", 1.0), sp.get("top_p"),
+                             sp.get("stop"), seed, "sampling_params.max_new_tokens")
+    return GenRequest(messages=messages, params=params)

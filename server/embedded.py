@@ -1,0 +1,237 @@
+"""The embedded backend: the in-process GLANCE engine in its own worker thread, fed by a bounded queue.
+
+The event loop never runs model code: routes ``submit`` a job (429 when ``max_queue`` requests already wait),
+the worker thread runs jobs one at a time and posts committed text back to the loop. A cancelled job frees
+its queue slot at once and, if running, stops at the next round (the engine polls ``should_stop``). An engine
+exception fails that one request (503) and the worker carries on with the next.
+
+At start-up the worker calibrates the AR decode cost (ms/token) on a small synthetic image prompt; AR runs
+made later for ``measure_speedup`` refine it (exponential average), and the estimate feeds every response's
+``estimated_speedup``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from glance_sgl.engine import GenerationResult, GlanceEngine, RequestError, SamplingParams
+from glance_sgl.target import TargetError
+
+from .config import ServerConfig
+from .errors import APIError, bad_request
+from .jobs import Backend, GenOutput, GenRequest, Job, queue_full
+from .protocol import glance_object
+
+log = logging.getLogger("glance_server")
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside the engine's generation loop by ``debug_fault`` (tests of failure recovery)."""
+
+
+def engine_error(exc: Exception) -> APIError:
+    message = str(exc)
+    code = "context_length_exceeded" if "context length" in message else "invalid_request"
+    return bad_request(message, code, "messages" if code == "context_length_exceeded" else None)
+
+
+def calibration_messages() -> list[dict[str, Any]]:
+    rng = np.random.RandomState(0)
+    image = Image.fromarray(rng.randint(0, 256, (112, 112, 3), dtype=np.uint8))
+    return [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": "describe the picture"}]}]
+
+
+def result_metrics(result: GenerationResult) -> dict[str, Any]:
+    """The engine's numbers, in the arguments of :func:`protocol.glance_object`."""
+    m = result.metrics
+    return {
+        "mode": m.mode, "completion_tokens": len(result.token_ids), "rounds": m.rounds,
+        "committed_per_round": list(m.committed_per_round), "drafted_tokens": m.drafted_tokens,
+        "accepted_tokens": m.accepted_tokens, "acceptance_histogram": m.acceptance_histogram,
+        "prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms,
+        "mean_root_entropy": None if not m.root_entropies else m.mean_root_entropy,
+    }
+
+
+class EmbeddedBackend(Backend):
+    name = "embedded"
+
+    def __init__(self, engine: GlanceEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.default_mode = engine.mode
+        self._pending: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._calibrated = not config.calibrate
+        self.ar_ms_per_token: float | None = None
+        self.mean_job_s = 1.0  # exponential average of a job's run time (for Retry-After)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._worker, name="glance-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            for job in self._pending:
+                job.cancel()
+            if self._running is not None:
+                self._running.cancel()
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    async def check_ready(self) -> tuple[bool, str]:
+        if self._thread is None or not self._thread.is_alive():
+            return False, "engine worker not running"
+        if not self._calibrated:
+            return False, "calibrating"
+        return True, "ok"
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "mode": self.default_mode, "block_size": self.engine.block_size,
+                "budget": self.engine.budget, "branch_k": self.engine.branch_k,
+                "estimated_ar_ms_per_token": self.ar_ms_per_token}
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"queued": self._queued(), "in_flight": int(self._running is not None)}
+
+    def _queued(self) -> int:
+        return sum(1 for job in self._pending if not job.cancelled.is_set())
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, request: GenRequest) -> Job:
+        if request.mode not in (None, "ar") and self.engine.drafter is None:
+            raise bad_request(f"mode {request.mode!r} needs a drafter; this server runs without one",
+                              "unsupported_parameter", "glance.mode")
+        job = Job(request, asyncio.get_running_loop())
+        with self._cond:
+            if self._stopping:
+                raise APIError(503, "the server is shutting down", "shutting_down")
+            queued = self._queued()
+            if queued >= self.config.max_queue:
+                raise queue_full((queued + 1) * self.mean_job_s, queued)
+            self._pending.append(job)
+            self._cond.notify()
+        job.on_cancel(self._wake)
+        return job
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the worker thread
+    def _next_job(self) -> Job | None:
+        with self._cond:
+            while True:
+                while self._pending and self._pending[0].cancelled.is_set():
+                    self._pending.popleft().post("error", APIError(499, "cancelled", "cancelled"))
+                if self._pending:
+                    self._running = self._pending.popleft()
+                    return self._running
+                if self._stopping:
+                    return None
+                self._cond.wait()
+
+    def _worker(self) -> None:
+        if not self._calibrated:
+            try:
+                self._calibrate()
+            except Exception:  # a failed calibration leaves estimates empty, the engine may still serve
+                log.exception("calibration failed")
+            self._calibrated = True
+        while (job := self._next_job()) is not None:
+            t0 = time.perf_counter()
+            try:
+                job.started = t0
+                job.post("done", self._run(job))
+            except APIError as exc:
+                job.post("error", exc)
+            except (RequestError, TargetError) as exc:
+                job.post("error", engine_error(exc))
+            except Exception as exc:  # the engine failed: this request gets a 503, the worker goes on
+                log.exception("engine failure on request %s", job.request.request_id)
+                job.post("error", APIError(503, f"the engine failed on this request ({type(exc).__name__}); "
+                                           "it has recovered, retry", "engine_error"))
+            finally:
+                with self._cond:
+                    self._running = None
+                self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - t0)
+
+    def _calibrate(self) -> None:
+        messages = calibration_messages()
+        if self.engine.drafter is not None:  # warm the speculative path too
+            self.engine.generate(messages, SamplingParams(max_tokens=8, temperature=0.0))
+        result = self.engine.generate(messages, SamplingParams(max_tokens=32, temperature=0.0), mode="ar")
+        self._observe_ar(result)
+        log.info("calibrated AR decode: %.2f ms/token", self.ar_ms_per_token or float("nan"))
+
+    def _observe_ar(self, result: GenerationResult) -> None:
+        if result.metrics.decode_tokens >= 4 and result.finish_reason != "cancelled":
+            ms = result.metrics.decode_ms_per_token
+            self.ar_ms_per_token = ms if self.ar_ms_per_token is None else 0.7 * self.ar_ms_per_token + 0.3 * ms
+
+    def _run(self, job: Job) -> GenOutput:
+        req = job.request
+        params = req.params
+        if req.measure_speedup and params.seed is None:  # both runs must draw the same samples
+            params = SamplingParams(params.max_tokens, params.temperature, params.top_p, list(params.stop),
+                                    random.getrandbits(62))
+        deltas = 0
+
+        def on_delta(delta) -> None:
+            nonlocal deltas
+            deltas += 1
+            if req.debug_fault == "engine_error" and deltas == 2:
+                raise InjectedFault("injected engine failure")
+            job.post("delta", delta)
+
+        mode = req.mode or self.default_mode
+        result = self.engine.generate(req.messages, params, mode=mode, on_delta=on_delta,
+                                      should_stop=job.cancelled.is_set)
+        estimate = self.ar_ms_per_token
+        measured = None
+        if mode == "ar":
+            self._observe_ar(result)
+        elif req.measure_speedup and result.finish_reason != "cancelled":
+            ar = self.engine.generate(req.messages, params, mode="ar", should_stop=job.cancelled.is_set)
+            self._observe_ar(ar)
+            measured = measured_speedup(result, ar)
+        metrics = result_metrics(result)
+        glance = glance_object(backend=self.name, estimated_ar_ms_per_token=estimate, queue_ms=job.queue_ms,
+                               measured=measured, **metrics)
+        return GenOutput(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
+                         prompt_tokens=result.metrics.prompt_tokens, completion_tokens=len(result.token_ids),
+                         glance=glance)
+
+
+def measured_speedup(spec: GenerationResult, ar: GenerationResult) -> dict[str, Any]:
+    """Speculative vs autoregressive decoding of the same request, back to back (design §1, Metrics)."""
+    s, a = spec.metrics, ar.metrics
+    decode = a.decode_ms_per_token / s.decode_ms_per_token if s.decode_ms_per_token and a.decode_ms_per_token else None
+    e2e_spec = (s.prefill_ms + s.decode_ms) / max(len(spec.token_ids), 1)
+    e2e_ar = (a.prefill_ms + a.decode_ms) / max(len(ar.token_ids), 1)
+    return {
+        "ar_prefill_ms": a.prefill_ms,
+        "ar_decode_ms": a.decode_ms,
+        "ar_decode_ms_per_token": a.decode_ms_per_token,
+        "ar_completion_tokens": len(ar.token_ids),
+        "decode_speedup": decode,
+        "e2e_speedup": e2e_ar / e2e_spec if e2e_spec > 0 else None,
+        "lossless_match": ar.token_ids == spec.token_ids,
+    }

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible request schema, its translation to engine requests, and the response bodies.
+
+The ``glance`` object (one schema for every backend)::
+
+    backend, mode             "embedded" | "sglang"; "glance" | "chain" | "ar"
+    completion_tokens         = usage.completion_tokens
+    prefill_tokens            1: the first token comes from the prefill pass and belongs to no round
+    decode_tokens             completion_tokens - prefill_tokens = sum(committed_per_round)
+    rounds                    verification rounds (AR: one per token)
+    committed_per_round       tokens committed by each round (accepted drafts + bonus), or null if unknown
+    tau                       decode_tokens / rounds: tokens per round INCLUDING the bonus (null if no round)
+    tau_minus_1               tau - 1 (accepted drafts per round, the bonus excluded)
+    drafted_tokens, accepted_tokens, acceptance_rate, acceptance_histogram (hist[a] = rounds accepting a drafts)
+    prefill_ms, decode_ms, decode_ms_per_token, decode_tokens_per_s, mean_root_entropy, queue_ms
+    estimated_ar_ms_per_token AR decode ms/token calibrated on this engine (null if unknown)
+    estimated_speedup         estimated_ar_ms_per_token / decode_ms_per_token
+    measured                  with "glance": {"measure_speedup": true}: the same request decoded
+                              autoregressively right after: ar_* timings, decode_speedup (AR ms/token over
+                              speculative ms/token, both after prefill), e2e_speedup, lossless_match
+
+So ``completion_tokens == prefill_tokens + sum(committed_per_round)`` and ``tau == decode_tokens / rounds``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+
+from glance_sgl.engine import MAX_STOP_STRINGS, SamplingParams
+
+from .config import ServerConfig
+from .errors import APIError, bad_request
+from .images import load_image_url
+from .jobs import GenOutput, GenRequest
+
+Mode = Literal["glance", "chain", "ar"]
+
+
+# ------------------------------------------------------------------------------------------------ schema
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class GlanceOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    measure_speedup: StrictBool = False
+    mode: Mode | None = None
+    debug_fault: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[Any] | None = None
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    n: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    logprobs: StrictBool | None = None
+    tools: list[Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    glance: GlanceOptions | None = None
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def check_model(model: str | None, config: ServerConfig) -> None:
+    if model is not None and model != config.served_model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {config.served_model_name!r}",
+                       "model_not_found", "model")
+
+
+def sampling_params(config: ServerConfig, max_tokens: int | None, temperature: float | None, top_p: float | None,
+                    stop: str | list[str] | None, seed: int | None, param: str = "max_tokens") -> SamplingParams:
+    """Validated sampling parameters (OpenAI ranges; the server's token limit)."""
+    if max_tokens is None:
+        max_tokens = config.default_max_tokens
+    if max_tokens < 1:
+        raise bad_request(f"{param} must be at least 1, got {max_tokens}", "invalid_value", param)
+    if max_tokens > config.max_tokens_limit:
+        raise bad_request(f"{param} is {max_tokens}; this server allows at most {config.max_tokens_limit}",
+                          "invalid_value", param)
+    temperature = 1.0 if temperature is None else float(temperature)
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_request(f"temperature must be between 0 and 2, got {temperature}", "invalid_value", "temperature")
+    top_p = 1.0 if top_p is None else float(top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "invalid_value", "top_p")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "invalid_value", "stop")
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed)
+
+
+def reject_unsupported(body: ChatRequest) -> None:
+    if body.n is not None and body.n != 1:
+        raise bad_request(f"n must be 1 on this server (got {body.n})", "unsupported_parameter", "n")
+    if body.logprobs:
+        raise bad_request("logprobs are not supported", "unsupported_parameter", "logprobs")
+    if body.tools:
+        raise bad_request("tools are not supported", "unsupported_parameter", "tools")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "unsupported_parameter", "logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise bad_request(f"{name} is not supported (only 0)", "unsupported_parameter", name)
+
+
+async def convert_messages(messages: list[ChatMessage], config: ServerConfig,
+                           client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    """OpenAI messages -> engine messages; images decoded (after the count check) into PIL images."""
+    if not messages:
+        raise bad_request("messages must be a non-empty list", "invalid_value", "messages")
+    n_images = sum(1 for m in messages if isinstance(m.content, list) for p in m.content
+                   if isinstance(p, dict) and p.get("type") == "image_url")
+    if n_images > config.max_images:
+        raise bad_request(f"{n_images} images in the request; this server allows at most {config.max_images}",
+                          "too_many_images", "messages")
+    out: list[dict[str, Any]] = []
+    chars = 0
+    for i, msg in enumerate(messages):
+        role = "system" if msg.role == "developer" else msg.role
+        if role not in ("system", "user", "assistant"):
+            raise bad_request(f"messages[{i}].role {msg.role!r} is not supported (system, user, assistant)",
+                              "invalid_value", f"messages[{i}].role")
+        if msg.content is None:
+            raise bad_request(f"messages[{i}].content is missing", "invalid_value", f"messages[{i}].content")
+        if isinstance(msg.content, str):
+            chars += len(msg.content)
+            out.append({"role": role, "content": msg.content})
+            continue
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(msg.content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                chars += len(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                if role != "user":
+                    raise bad_request(f"{where}: images are only allowed in user messages", "invalid_value", where)
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                parts.append({"type": "image", "image": await load_image_url(url, config, client, where)})
+            elif kind == "text":
+                raise bad_request(f"{where}: a text part needs a string 'text'", "invalid_value", where)
+            else:
+                raise bad_request(f"{where}: unsupported content part type {kind!r} (text, image_url)",
+                                  "unsupported_content_part", f"{where}.type")
+        out.append({"role": role, "content": parts})
+    if chars > config.max_prompt_chars:
+        raise bad_request(f"the prompt has {chars} characters; the limit is {config.max_prompt_chars}",
+                          "context_length_exceeded", "messages")
+    return out
+
+
+async def chat_request(body: ChatRequest, config: ServerConfig, client: httpx.AsyncClient) -> GenRequest:
+    check_model(body.model, config)
+    reject_unsupported(body)
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = sampling_params(config, limit, body.temperature, body.top_p, body.stop, body.seed, param)
+    options = body.glance or GlanceOptions()
+    if options.debug_fault and not config.debug_faults:
+        raise bad_request("debug_fault needs a server started with --debug-faults", "unsupported_parameter",
+                          "glance.debug_fault")
+    messages = await convert_messages(body.messages, config, client)
+    return GenRequest(messages=messages, params=params, mode=options.mode, measure_speedup=options.measure_speedup,
+                      debug_fault=options.debug_fault)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: int,
+                  committed_per_round: list[int] | None, drafted_tokens: int, accepted_tokens: int,
+                  acceptance_histogram: list[int], prefill_ms: float, decode_ms: float,
+                  mean_root_entropy: float | None, estimated_ar_ms_per_token: float | None, queue_ms: float,
+                  measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The per-request ``glance`` object (schema in the module docstring)."""
+    prefill_tokens = 1 if completion_tokens > 0 else 0
+    decode_tokens = completion_tokens - prefill_tokens
+    if committed_per_round is not None and sum(committed_per_round) != decode_tokens:
+        raise ValueError(f"inconsistent metrics: {decode_tokens} decode tokens, rounds committed "
+                         f"{sum(committed_per_round)}")
+    tau = decode_tokens / rounds if rounds else None
+    ms_per_token = decode_ms / decode_tokens if decode_tokens else None
+    speedup = (estimated_ar_ms_per_token / ms_per_token
+               if estimated_ar_ms_per_token and ms_per_token else None)
+    return {
+        "backend": backend,
+        "mode": mode,
+        "completion_tokens": completion_tokens,
+        "prefill_tokens": prefill_tokens,
+        "decode_tokens": decode_tokens,
+        "rounds": rounds,
+        "committed_per_round": committed_per_round,
+        "tau": tau,
+        "tau_minus_1": tau - 1.0 if tau is not None else None,
+        "drafted_tokens": drafted_tokens,
+        "accepted_tokens": accepted_tokens,
+        "acceptance_rate": accepted_tokens / drafted_tokens if drafted_tokens else None,
+        "acceptance_histogram": acceptance_histogram,
+        "prefill_ms": prefill_ms,
+        "decode_ms": decode_ms,
+        "decode_ms_per_token": ms_per_token,
+        "decode_tokens_per_s": decode_tokens / (decode_ms / 1000.0) if decode_ms > 0 and decode_tokens else None,
+        "mean_root_entropy": mean_root_entropy,
+        "queue_ms": queue_ms,
+        "estimated_ar_ms_per_token": estimated_ar_ms_per_token,
+        "estimated_speedup": speedup,
+        "measured": measured,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ bodies
+def usage(out: GenOutput) -> dict[str, int]:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+def completion_body(rid: str, model: str, out: GenOutput) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                     "finish_reason": out.finish_reason}],
+        "usage": usage(out),
+        "glance": out.glance,
+    }
+
+
+def chunk_body(rid: str, model: str, created: int, delta: dict[str, Any] | None,
+               finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None, "choices": choices, **extra}

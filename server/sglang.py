@@ -1,0 +1,282 @@
+"""SGLang's native ``POST /generate`` format, both ways.
+
+- :class:`SGLangBackend` (the ``sglang`` backend) renders chat messages with the model's chat template, sends
+  them to an SGLang server's ``/generate`` (images as base64 PNG data URLs, streamed SSE, pooled httpx client)
+  and maps SGLang's speculative ``meta_info`` (``spec_verify_ct``, ``spec_num_correct_drafts``,
+  ``spec_num_proposed_drafts``, ``spec_correct_drafts_histogram``, ...) onto the gateway's ``glance`` object.
+- :func:`parse_prompt` / :func:`meta_info` let the gateway ANSWER that format from the embedded engine, so that
+  the upstream client is exercised against a real server on loopback (``/generate`` route in ``app.py``).
+
+Conventions: SGLang's ``spec_accept_length`` is ``completion_tokens / spec_verify_ct`` (the prefill token
+counted); the gateway's ``tau`` is ``(completion_tokens - 1) / spec_verify_ct``. SGLang streams cumulative
+``text`` / ``output_ids`` by default; both cumulative and incremental streams are understood.
+Timings through this backend are observed at the gateway: ``prefill_ms`` = time to the first token (queue and
+network included), ``decode_ms`` = first to last token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+from typing import Any
+
+import httpx
+
+from glance_sgl.engine import StreamDelta
+from glance_sgl.target import split_messages
+
+from .config import ServerConfig
+from .errors import APIError, bad_request
+from .jobs import Backend, GenOutput, GenRequest, Job, queue_full
+from .protocol import glance_object
+
+IM_START, IM_END, GEN_PROMPT = "<|im_start|>", "<|im_end|>\n", "<|im_start|>assistant\n"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def render_prompt(processor, messages: list[dict[str, Any]]) -> tuple[str, list[Any]]:
+    """Engine-format messages -> (chat-template text with image placeholders, images in order)."""
+    template_messages, images = split_messages(messages)
+    text = processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+    return text, images
+
+
+def parse_prompt(text: str, images: list[Any]) -> list[dict[str, Any]]:
+    """The inverse of :func:`render_prompt` for Qwen's ChatML template (the caller re-renders to check)."""
+    if not isinstance(text, str) or not text.endswith(GEN_PROMPT) or not text.startswith(IM_START):
+        raise bad_request("text must be a chat-template prompt ending in the assistant generation prompt",
+                          "invalid_prompt", "text")
+    messages: list[dict[str, Any]] = []
+    remaining = list(images)
+    for segment in text[len(IM_START): -len(GEN_PROMPT)].split(IM_START) if text != GEN_PROMPT else []:
+        if not segment.endswith(IM_END) or "\n" not in segment:
+            raise bad_request("text is not in the model's chat format", "invalid_prompt", "text")
+        role, body = segment[: -len(IM_END)].split("\n", 1)
+        parts: list[dict[str, Any]] = []
+        for k, piece in enumerate(body.split(IMAGE_PLACEHOLDER)):
+            if k > 0:
+                if not remaining:
+                    raise bad_request("more image placeholders than image_data entries", "invalid_prompt", "text")
+                parts.append({"type": "image", "image": remaining.pop(0)})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        messages.append({"role": role, "content": parts})
+    if remaining or not messages:
+        raise bad_request("image_data does not match the prompt's image placeholders", "invalid_prompt",
+                          "image_data")
+    return messages
+
+
+def trim(hist: list[int]) -> list[int]:
+    end = len(hist)
+    while end > 1 and hist[end - 1] == 0:
+        end -= 1
+    return list(hist[:end])
+
+
+def meta_info(rid: str, out: GenOutput | None, completion_tokens: int, prompt_tokens: int | None,
+              e2e_latency: float) -> dict[str, Any]:
+    """SGLang ``meta_info`` for a (possibly unfinished) generation; spec fields once finished."""
+    info: dict[str, Any] = {"id": rid, "finish_reason": None, "prompt_tokens": prompt_tokens,
+                            "completion_tokens": completion_tokens, "cached_tokens": 0, "e2e_latency": e2e_latency}
+    if out is None:
+        return info
+    info["finish_reason"] = ({"type": "length", "length": out.completion_tokens} if out.finish_reason == "length"
+                             else {"type": "abort"} if out.finish_reason == "cancelled"
+                             else {"type": "stop", "matched": None})
+    g = out.glance
+    if g["mode"] != "ar" and g["rounds"] > 0:
+        info.update({
+            "spec_verify_ct": g["rounds"],
+            "spec_accept_length": out.completion_tokens / g["rounds"],
+            "spec_accept_rate": g["acceptance_rate"] or 0.0,
+            "spec_num_correct_drafts": g["accepted_tokens"],
+            "spec_num_proposed_drafts": g["drafted_tokens"],
+            "spec_correct_drafts_histogram": trim(g["acceptance_histogram"]),
+        })
+    return info
+
+
+def glance_from_meta(meta: dict[str, Any], prefill_ms: float, decode_ms: float, queue_ms: float,
+                     ar_ms_per_token: float | None) -> dict[str, Any]:
+    """Our ``glance`` object from SGLang's ``meta_info``."""
+    completion = int(meta.get("completion_tokens") or 0)
+    verify = int(meta.get("spec_verify_ct") or 0)
+    if verify:
+        accepted = int(meta.get("spec_num_correct_drafts") or 0)
+        drafted = meta.get("spec_num_proposed_drafts")
+        if drafted is None:
+            rate = meta.get("spec_accept_rate") or 0.0
+            drafted = round(accepted / rate) if rate else 0
+        mode, rounds, hist = "glance", verify, list(meta.get("spec_correct_drafts_histogram") or [])
+    else:  # no speculation upstream: one token per step
+        mode, rounds, accepted, drafted, hist = "ar", max(completion - 1, 0), 0, 0, [max(completion - 1, 0)]
+    return glance_object(backend="sglang", mode=mode, completion_tokens=completion, rounds=rounds,
+                         committed_per_round=None, drafted_tokens=int(drafted), accepted_tokens=accepted,
+                         acceptance_histogram=hist, prefill_ms=prefill_ms, decode_ms=decode_ms,
+                         mean_root_entropy=None, estimated_ar_ms_per_token=ar_ms_per_token, queue_ms=queue_ms)
+
+
+def upstream_rejection(status: int, raw: bytes) -> APIError:
+    try:
+        message = json.loads(raw)["error"]["message"]
+    except Exception:
+        message = raw[:500].decode("utf-8", "replace")
+    if 400 <= status < 500 and status != 429:
+        return APIError(400, f"upstream: {message}", "upstream_rejected")
+    return APIError(503, f"upstream answered {status}: {message}", "upstream_unavailable")
+
+
+def png_data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class SGLangBackend(Backend):
+    """Requests forwarded to an SGLang server (or another GLANCE gateway) through ``POST /generate``."""
+
+    name = "sglang"
+
+    def __init__(self, upstream_url: str, processor, config: ServerConfig) -> None:
+        self.upstream_url = upstream_url.rstrip("/")
+        self.processor = processor
+        self.config = config
+        self.client: httpx.AsyncClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._queued = 0
+        self._in_flight = 0
+        self._ready_cache: tuple[float, bool, str] = (0.0, False, "not checked")
+
+    async def start(self) -> None:
+        n = self.config.upstream_concurrency
+        headers = {"Authorization": f"Bearer {self.config.upstream_api_key}"} if self.config.upstream_api_key else {}
+        self.client = httpx.AsyncClient(
+            base_url=self.upstream_url, trust_env=False, headers=headers,
+            timeout=httpx.Timeout(self.config.upstream_timeout_s, connect=self.config.upstream_connect_timeout_s),
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+        )
+        self._slots = asyncio.Semaphore(n)
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def check_ready(self) -> tuple[bool, str]:
+        """Upstream ``GET /health`` (cached for a second)."""
+        at, ok, why = self._ready_cache
+        if time.monotonic() - at < 1.0:
+            return ok, why
+        try:
+            resp = await self.client.get("/health", timeout=2.0)
+            ok, why = resp.status_code == 200, f"upstream /health answered {resp.status_code}"
+        except httpx.HTTPError as exc:
+            ok, why = False, f"upstream unreachable ({type(exc).__name__})"
+        self._ready_cache = (time.monotonic(), ok, "ok" if ok else why)
+        return ok, self._ready_cache[2]
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "upstream": self.upstream_url,
+                "estimated_ar_ms_per_token": self.config.ar_ms_per_token}
+
+    def stats(self) -> dict[str, int]:
+        return {"queued": self._queued, "in_flight": self._in_flight}
+
+    def submit(self, request: GenRequest) -> Job:
+        if request.measure_speedup:
+            raise bad_request("measure_speedup needs the embedded backend (SGLang cannot switch speculation off "
+                              "per request)", "unsupported_parameter", "glance.measure_speedup")
+        if request.mode not in (None, "glance"):
+            raise bad_request("the sglang backend decodes with the server's speculative setting; mode cannot be "
+                              "chosen per request", "unsupported_parameter", "glance.mode")
+        if self._queued >= self.config.max_queue and self._slots is not None and self._slots.locked():
+            raise queue_full(1.0, self._queued)
+        job = Job(request, asyncio.get_running_loop())
+        task = asyncio.create_task(self._run(job))
+        job.on_cancel(task.cancel)
+        return job
+
+    def payload(self, request: GenRequest, text: str, images: list[Any]) -> dict[str, Any]:
+        p = request.params
+        sampling = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p}
+        if p.stop:
+            sampling["stop"] = list(p.stop)
+        if p.seed is not None:
+            sampling["sampling_seed"] = p.seed
+        body: dict[str, Any] = {"text": text, "sampling_params": sampling, "stream": True, "rid": request.request_id}
+        if images:
+            body["image_data"] = [png_data_url(img) for img in images]
+        return body
+
+    async def _run(self, job: Job) -> None:
+        assert self.client is not None and self._slots is not None
+        self._queued += 1
+        try:
+            try:
+                await self._slots.acquire()
+            finally:
+                self._queued -= 1
+            self._in_flight += 1
+            try:
+                job.started = time.perf_counter()
+                job.post("done", await self._generate(job))
+            finally:
+                self._in_flight -= 1
+                self._slots.release()
+        except asyncio.CancelledError:
+            job.post("error", APIError(499, "cancelled", "cancelled"))
+        except APIError as exc:
+            job.post("error", exc)
+        except httpx.TimeoutException:
+            job.post("error", APIError(504, "the upstream SGLang server timed out", "upstream_timeout"))
+        except httpx.HTTPError as exc:
+            job.post("error", APIError(503, f"the upstream SGLang server is unavailable ({type(exc).__name__})",
+                                       "upstream_unavailable"))
+        except Exception as exc:  # a malformed upstream answer
+            job.post("error", APIError(502, f"bad answer from the upstream server ({type(exc).__name__}: {exc})",
+                                       "upstream_error"))
+
+    async def _generate(self, job: Job) -> GenOutput:
+        text, images = render_prompt(self.processor, job.request.messages)
+        body = await asyncio.to_thread(self.payload, job.request, text, images)
+        t0 = time.perf_counter()
+        first = last = None
+        seen_text, token_ids, meta = "", [], {}
+        final: dict[str, Any] = {}
+        async with self.client.stream("POST", "/generate", json=body) as resp:
+            if resp.status_code != 200:
+                raise upstream_rejection(resp.status_code, await resp.aread())
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise APIError(502, f"upstream: {chunk['error'].get('message')}", "upstream_error")
+                meta = chunk.get("meta_info") or {}
+                ids, text = list(chunk.get("output_ids") or []), chunk.get("text") or ""
+                if len(ids) == meta.get("completion_tokens", -1):  # cumulative (SGLang's default)
+                    ids, text = ids[len(token_ids):], text[len(seen_text):]
+                token_ids += ids
+                seen_text += text
+                if ids:
+                    last = time.perf_counter()
+                    first = first if first is not None else last
+                if text or ids:
+                    job.post("delta", StreamDelta(token_ids=ids, text=text))
+                final = chunk
+        if not final:
+            raise APIError(502, "the upstream stream ended without a result", "upstream_error")
+        reason = (meta.get("finish_reason") or {}).get("type")
+        finish = {"length": "length", "abort": "cancelled"}.get(reason, "stop")
+        prefill_ms = ((first or t0) - t0) * 1000.0
+        decode_ms = ((last or t0) - (first or t0)) * 1000.0
+        glance = glance_from_meta(meta, prefill_ms, decode_ms, job.queue_ms, self.config.ar_ms_per_token)
+        return GenOutput(text=seen_text, token_ids=token_ids, finish_reason=finish,
+                         prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                         completion_tokens=int(meta.get("completion_tokens") or 0), glance=glance)

@@ -1,0 +1,61 @@
+"""Prometheus metrics of one gateway (its own registry, so several gateways can live in one process)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TAU_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16)
+SPEEDUP_BUCKETS = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6)
+
+
+class _BackendCollector:
+    """Queue depth and in-flight requests, read from the backend at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        yield GaugeMetricFamily("glance_queue_depth", "Requests waiting for the engine", value=stats["queued"])
+        yield GaugeMetricFamily("glance_in_flight", "Requests being generated", value=stats["in_flight"])
+
+
+class Telemetry:
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("glance_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.latency = Histogram("glance_request_latency_seconds", "Request latency (to the last byte)", ["route"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("glance_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("glance_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("glance_completion_tokens", "Completion tokens generated", registry=r)
+        self.tau = Histogram("glance_tau", "Tokens per verification round (incl. bonus) per request", ["mode"],
+                             buckets=TAU_BUCKETS, registry=r)
+        self.speedup = Histogram("glance_speedup", "Per-request decode speedup over AR", ["kind"],
+                                 buckets=SPEEDUP_BUCKETS, registry=r)
+        self.finished = Counter("glance_generations", "Generations by finish reason", ["finish_reason"], registry=r)
+        self.engine_errors = Counter("glance_engine_errors", "Requests failed by the engine or upstream", registry=r)
+        r.register(_BackendCollector(stats))
+
+    def observe_generation(self, glance: dict[str, Any], prompt_tokens: int, completion_tokens: int,
+                           finish_reason: str) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        self.finished.labels(finish_reason).inc()
+        if glance.get("tau") is not None:
+            self.tau.labels(glance.get("mode") or "unknown").observe(glance["tau"])
+        if glance.get("estimated_speedup") is not None:
+            self.speedup.labels("estimated").observe(glance["estimated_speedup"])
+        measured = glance.get("measured") or {}
+        if measured.get("decode_speedup") is not None:
+            self.speedup.labels("measured").observe(measured["decode_speedup"])
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

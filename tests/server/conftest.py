@@ -1,0 +1,87 @@
+"""Gateways on loopback for the server tests: real uvicorn servers in threads, a tiny random engine shared by
+all of them (one engine, one lock: the gateways' worker threads take turns)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from glance_sgl.checkpoints import MASK_TOKEN, build_random_target
+from glance_sgl.drafter import GlanceDrafter
+from glance_sgl.engine import GlanceEngine
+from glance_server.app import create_app
+from glance_server.config import MiB, ServerConfig
+from glance_server.embedded import EmbeddedBackend
+from glance_server.sglang import SGLangBackend
+from server_helpers import API_KEY, MODEL, ServerThread
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("serve_ckpt")
+    target_dir = build_random_target(root / "target", arch="qwen2_5_vl", seed=7)
+    engine = GlanceEngine.load(target_dir, None)
+    mask_id = engine.target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    GlanceDrafter.for_target(engine.target.text_config, mask_id, seed=7, num_hidden_layers=1,
+                             block_size=8).save_pretrained(root / "drafter")
+    return target_dir, root / "drafter"
+
+
+@pytest.fixture(scope="session")
+def engine(checkpoints) -> GlanceEngine:
+    target_dir, drafter_dir = checkpoints
+    return GlanceEngine.load(target_dir, drafter_dir, budget=7)
+
+
+def base_config(**overrides) -> ServerConfig:
+    settings = dict(served_model_name=MODEL, api_key=API_KEY, max_body_bytes=2 * MiB, max_images=2,
+                    max_image_bytes=1 * MiB, max_image_pixels=4_000_000, max_tokens_limit=512, default_max_tokens=16,
+                    calibrate=False, request_timeout_s=120)
+    settings.update(overrides)
+    return ServerConfig(**settings)
+
+
+def start_embedded(engine: GlanceEngine, **overrides) -> ServerThread:
+    config = base_config(**overrides)
+    server = ServerThread(create_app(config, EmbeddedBackend(engine, config), engine.target.processor))
+    server.wait_ready()
+    return server
+
+
+@pytest.fixture(scope="session")
+def gateway(engine):
+    """The main gateway: API key, remote images on for an allowlist of (refused) loopback/metadata hosts and
+    for 127.0.0.2 (a trusted network: the test image host), fault injection on, calibrated."""
+    server = start_embedded(
+        engine, calibrate=True, debug_faults=True, allow_remote_images=True,
+        remote_image_hosts=["127.0.0.1", "localhost", "169.254.169.254", "::1", "::ffff:127.0.0.1", "127.0.0.2",
+                            "0.0.0.0"],
+        trusted_image_networks=["127.0.0.2/32"], remote_image_timeout_s=5,
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_gateway(engine):
+    """Defaults for remote images (off), no API key."""
+    server = start_embedded(engine, api_key=None)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_gateway(gateway, engine):
+    """A gateway whose backend is the first gateway's SGLang-native /generate endpoint."""
+    config = base_config(api_key=None, upstream_url=gateway.url, upstream_api_key=API_KEY)
+    backend = SGLangBackend(gateway.url, engine.target.processor, config)
+    server = ServerThread(create_app(config, backend, engine.target.processor))
+    server.wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}

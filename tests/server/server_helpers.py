@@ -1,0 +1,66 @@
+"""Helpers of the server tests: a uvicorn server in a thread on loopback, images, request bodies."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+
+import httpx
+import numpy as np
+import uvicorn
+from PIL import Image
+
+API_KEY = "test-key-123"
+MODEL = "glance-test"
+
+
+class ServerThread:
+    """A uvicorn server on 127.0.0.1 (or another loopback address), ephemeral port, in a daemon thread."""
+
+    def __init__(self, app, host: str = "127.0.0.1") -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{port}"
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
+                return
+            time.sleep(0.1)
+        raise RuntimeError("gateway never became ready")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def png_bytes(seed: int = 0, size: tuple[int, int] = (112, 112), fmt: str = "PNG") -> bytes:
+    rng = np.random.RandomState(seed)
+    w, h = size
+    arr = rng.randint(0, 256, (h, w, 3), dtype=np.uint8)
+    arr[10:40, 10:40] = rng.randint(0, 256, 3)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_message(text: str, seed: int = 0, n_images: int = 1) -> list[dict]:
+    parts: list[dict] = [{"type": "image_url", "image_url": {"url": data_url(png_bytes(seed + k))}}
+                         for k in range(n_images)]
+    parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
