@@ -17,7 +17,8 @@ from typing import Any
 
 SUBCOMMAND_MODULES = [
     "glance_sgl.cli",  # generate (below)
-    "glance_sgl.demo.cli",  # demo build / bench (issue 3)
+    "glance_sgl.demo.cli",  # demo build, bench
+    "glance_sgl.train.cli",  # distill, train-drafter
     "glance_server.cli",  # serve (issue 4)
     "glance_loadtest.cli",  # loadtest (issue 8)
 ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
+import glance_kernels
 import torch
 
 from .drafter import DrafterCache, GlanceDrafter, draft_logprobs
@@ -312,7 +313,8 @@ class GlanceEngine:
         """
         assert self.drafter is not None
         tree = self.draft_tree(dcache, committed[-1], mode)
-        rows = self.target.forward_rows(state, tree.tokens[0], tree.depths[0], tree.ancestor_mask()[0],
+        meta = glance_kernels.tree_meta(tree.parents)  # Triton on CUDA, glance_sgl.tree's torch code elsewhere
+        rows = self.target.forward_rows(state, tree.tokens[0], tree.depths[0], meta.tree_mask[0],
                                         taps=self.drafter.config.tap_layers)
         walk = verify_tree(tree.tokens, tree.parents, tree.depths, rows.logits[None].cpu(),
                            torch.tensor([len(committed)]), [spec])

@@ -19,6 +19,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from glance_sgl.tree import ancestor_mask, tree_pointers
+
 
 class TreeMeta(NamedTuple):
     """Per-row metadata of a batch of packed trees.
@@ -70,35 +72,15 @@ def tree_meta(parents: torch.Tensor, prefix_lens: torch.Tensor | None = None) ->
     """Ancestor mask, positions and first-child / next-sibling pointers from parent rows.
 
     ``parents``: long [bs, N]; ``prefix_lens``: [bs] (committed tokens before the root; zeros when None).
+    The algorithm is ``glance_sgl.tree``'s (one implementation); its level loop syncs with the host once per
+    tree level, which the CPU path of the dispatcher does not mind (the Triton kernel has no sync).
     """
-    bs, n = parents.shape
-    dev = parents.device
     parents = parents.long()
-    rows = torch.arange(n, device=dev)
-    batch = torch.arange(bs, device=dev)[:, None]
-    mask = torch.zeros(bs, n, n, dtype=torch.bool, device=dev)
-    cur = rows.expand(bs, n).clone()
-    for _ in range(n):  # a chain of ancestors is at most n long; no data-dependent exit (no host sync)
-        ok = cur >= 0
-        mask |= (rows[None, None, :] == cur[:, :, None]) & ok[:, :, None]
-        cur = torch.where(ok, parents[batch, cur.clamp(min=0)], cur)
+    mask = ancestor_mask(parents)
     depth = mask.sum(-1) - 1
-    base = torch.zeros(bs, dtype=torch.long, device=dev) if prefix_lens is None else prefix_lens.long()
-    first_child, next_sibling = _pointers(parents)
+    base = torch.zeros(parents.shape[0], dtype=torch.long, device=parents.device) if prefix_lens is None else prefix_lens.long()
+    first_child, next_sibling = tree_pointers(parents)
     return TreeMeta(mask, depth + base[:, None], first_child, next_sibling)
-
-
-def _pointers(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """First-child / next-sibling pointers from parent rows, [bs, N] -> two [bs, N] long tensors."""
-    n = parents.shape[1]
-    rows = torch.arange(n, device=parents.device)
-    none = torch.full((), n, dtype=torch.long, device=parents.device)
-    is_child = parents[:, None, :] == rows[None, :, None]  # [b, p, c]: parent[c] == p
-    first = torch.where(is_child, rows, none).amin(-1)
-    sib = (parents[:, :, None] == parents[:, None, :]) & (rows[None, None, :] > rows[None, :, None])
-    sib &= parents[:, :, None] >= 0
-    nxt = torch.where(sib, rows, none).amin(-1)
-    return torch.where(first == n, -1, first), torch.where(nxt == n, -1, nxt)
 
 
 # ---------------------------------------------------------------------------------------------- masks

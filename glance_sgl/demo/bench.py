@@ -1,0 +1,233 @@
+"""`glance bench`: AR vs GLANCE (and peers) back to back in one process on the demo evaluation prompts.
+
+For every task and prompt, in this order: the engine's AR path, GLANCE (tree), the width-1 chain, Hugging Face
+``generate`` greedy and Hugging Face prompt-lookup decoding, all on the same target and prompt. Decode speedup =
+AR decode ms/token / the method's decode ms/token (per task: total decode time over total decode tokens).
+Peers through ``generate`` have no prefill/decode split of their own: their decode time is the time of the
+full call minus the time of a one-token call on the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine import GlanceEngine, SamplingParams
+from ..law import fit_entropy_law
+from .tasks import GROUNDED, TASKS, eval_set
+
+METHODS = ("ar", "glance", "chain", "hf_greedy", "hf_prompt_lookup")
+
+
+@dataclass
+class MethodTotals:
+    decode_ms: float = 0.0
+    decode_tokens: int = 0
+    e2e_ms: float = 0.0
+
+    def add(self, decode_ms: float, decode_tokens: int, e2e_ms: float) -> None:
+        self.decode_ms += decode_ms
+        self.decode_tokens += decode_tokens
+        self.e2e_ms += e2e_ms
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.decode_ms / self.decode_tokens if self.decode_tokens else math.nan
+
+
+@dataclass
+class TaskResult:
+    task: str
+    totals: dict[str, MethodTotals] = field(default_factory=lambda: {m: MethodTotals() for m in METHODS})
+    committed: int = 0
+    rounds: int = 0
+    chain_committed: int = 0
+    chain_rounds: int = 0
+    matches: int = 0
+    hf_matches: int = 0
+    prompts: int = 0
+    entropies: list[float] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+
+    def speedup(self, method: str, e2e: bool = False) -> float:
+        ar, other = self.totals["ar"], self.totals[method]
+        if e2e:
+            return ar.e2e_ms / other.e2e_ms if other.e2e_ms else math.nan
+        return ar.ms_per_token / other.ms_per_token
+
+    def summary(self) -> dict[str, Any]:
+        tau = self.committed / self.rounds if self.rounds else 1.0
+        return {
+            "grounded": GROUNDED[self.task],
+            "prompts": self.prompts,
+            "tau": tau,
+            "tau_minus_1": tau - 1,
+            "chain_tau": self.chain_committed / self.chain_rounds if self.chain_rounds else 1.0,
+            "ar_decode_ms_per_token": self.totals["ar"].ms_per_token,
+            "glance_decode_ms_per_token": self.totals["glance"].ms_per_token,
+            "decode_speedup": self.speedup("glance"),
+            "e2e_speedup": self.speedup("glance", e2e=True),
+            "chain_decode_speedup": self.speedup("chain"),
+            "hf_greedy_decode_speedup": self.speedup("hf_greedy"),
+            "prompt_lookup_decode_speedup": self.speedup("hf_prompt_lookup"),
+            "lossless_match_rate": self.matches / self.prompts if self.prompts else math.nan,
+            "hf_generate_match_rate": self.hf_matches / self.prompts if self.prompts else math.nan,
+            "mean_root_entropy": sum(self.entropies) / len(self.entropies) if self.entropies else math.nan,
+        }
+
+
+def _hf_decode(target, messages, max_tokens: int, **kwargs) -> tuple[list[int], float, float]:
+    """(tokens, decode ms, e2e ms) of ``generate``; decode = full call minus a one-token call."""
+    prompt = target.prepare(messages)
+    eos = sorted(target.eos_token_ids)
+    common = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        target.model.generate(**prompt.inputs, max_new_tokens=1, **common)
+        one = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        out = target.model.generate(**prompt.inputs, max_new_tokens=max_tokens, **common, **kwargs)
+        full = (time.perf_counter() - t0) * 1000
+    tokens = out[0, prompt.num_tokens :].tolist()
+    return tokens, max(full - one, 0.0), full
+
+
+def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks: tuple[str, ...] = TASKS,
+              progress: bool = True, peers: bool = True) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    params = SamplingParams(max_tokens=max_tokens)
+    target = engine.target
+    warm = eval_set(tasks[0])[0].messages()
+    for mode in ("ar", "glance", "chain"):
+        engine.generate(warm, params, mode=mode)
+    results: dict[str, TaskResult] = {}
+    jobs = [(task, ex) for task in tasks for ex in eval_set(task)[:limit]]
+    for task, ex in tqdm(jobs, desc="bench", disable=not progress, dynamic_ncols=True):
+        res = results.setdefault(task, TaskResult(task))
+        messages = ex.messages()
+        ar = engine.generate(messages, params, mode="ar")
+        gl = engine.generate(messages, params, mode="glance")
+        ch = engine.generate(messages, params, mode="chain")
+        for name, r in (("ar", ar), ("glance", gl), ("chain", ch)):
+            m = r.metrics
+            res.totals[name].add(m.decode_ms, m.decode_tokens, m.prefill_ms + m.decode_ms)
+        res.prompts += 1
+        res.matches += int(gl.token_ids == ar.token_ids and ch.token_ids == ar.token_ids)
+        res.committed += sum(gl.metrics.committed_per_round)
+        res.rounds += gl.metrics.rounds
+        res.chain_committed += sum(ch.metrics.committed_per_round)
+        res.chain_rounds += ch.metrics.rounds
+        res.entropies += gl.metrics.root_entropies
+        res.accepts += gl.metrics.accept_lengths
+        if peers:
+            toks, dec, e2e = _hf_decode(target, messages, len(ar.token_ids))
+            res.totals["hf_greedy"].add(dec, max(len(toks) - 1, 0), e2e)
+            res.hf_matches += int(toks == ar.token_ids)
+            toks, dec, e2e = _hf_decode(target, messages, len(ar.token_ids), prompt_lookup_num_tokens=10)
+            res.totals["hf_prompt_lookup"].add(dec, max(len(toks) - 1, 0), e2e)
+    summary = {task: r.summary() for task, r in results.items()}
+    speedups = [s["decode_speedup"] for s in summary.values()]
+    out: dict[str, Any] = {
+        "tasks": summary,
+        "geomean_decode_speedup": math.exp(sum(math.log(s) for s in speedups) / len(speedups)),
+        "geomean_e2e_speedup": math.exp(sum(math.log(s["e2e_speedup"]) for s in summary.values()) / len(summary)),
+        "budget": engine.budget,
+        "branch_k": engine.branch_k,
+        "block_size": engine.block_size,
+        "max_tokens": max_tokens,
+    }
+    entropies = [h for r in results.values() for h in r.entropies]
+    accepts = [a for r in results.values() for a in r.accepts]
+    try:
+        law = fit_entropy_law(entropies, accepts, engine.block_size - 1)
+        out["law"] = law.to_dict()
+    except ValueError as exc:
+        out["law"] = {"error": str(exc), "holds": False}
+    out["_rounds"] = {t: {"entropy": r.entropies, "accepted": r.accepts} for t, r in results.items()}
+    return out
+
+
+def format_table(report: dict[str, Any]) -> str:
+    cols = [("task", "{}"), ("tau", "{:.2f}"), ("tau-1", "{:.2f}"), ("AR ms/tok", "{:.2f}"),
+            ("GLANCE ms/tok", "{:.2f}"), ("decode x", "{:.2f}"), ("e2e x", "{:.2f}"), ("chain x", "{:.2f}"),
+            ("HF greedy x", "{:.2f}"), ("HF lookup x", "{:.2f}"), ("lossless", "{:.2f}"), ("entropy", "{:.3f}")]
+    keys = ["tau", "tau_minus_1", "ar_decode_ms_per_token", "glance_decode_ms_per_token", "decode_speedup",
+            "e2e_speedup", "chain_decode_speedup", "hf_greedy_decode_speedup", "prompt_lookup_decode_speedup",
+            "lossless_match_rate", "mean_root_entropy"]
+    rows = [[c[0] for c in cols]]
+    for task, s in report["tasks"].items():
+        name = task + ("" if s["grounded"] else " (open)")
+        rows.append([name] + [fmt.format(s[k]) for (_, fmt), k in zip(cols[1:], keys)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    law = report.get("law", {})
+    lines.append(f"geomean decode speedup {report['geomean_decode_speedup']:.2f}x, "
+                 f"geomean e2e speedup {report['geomean_e2e_speedup']:.2f}x "
+                 f"(budget {report['budget']}, branch_k {report['branch_k']}, block {report['block_size']})")
+    if "b0" in law:
+        lines.append(f"entropy law: b0 {law['b0']:.2f}, b1 {law['b1']:.2f}, Spearman {law['spearman']:.3f} "
+                     f"(p {law['spearman_p']:.1e}), binned R^2 {law['binned_r2']:.2f}, holds: {law['holds']}")
+    return "\n".join(lines)
+
+
+def write_plots(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from ..law import expected_accept
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = list(report["tasks"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    taus = [report["tasks"][t]["tau"] for t in tasks]
+    chain = [report["tasks"][t]["chain_tau"] for t in tasks]
+    x = np.arange(len(tasks))
+    ax.bar(x - 0.2, taus, 0.4, label="GLANCE tree", color="#3b6fc4")
+    ax.bar(x + 0.2, chain, 0.4, label="chain (width 1)", color="#b0b0b0")
+    ax.set_xticks(x, tasks)
+    ax.set_ylabel("tau (tokens per round, bonus included)")
+    ax.set_title("Acceptance per task")
+    ax.legend()
+    fig.tight_layout()
+    p1 = out / "tau_per_task.png"
+    fig.savefig(p1, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rng = np.random.default_rng(0)
+    for task in tasks:
+        r = report["_rounds"][task]
+        h, a = np.asarray(r["entropy"]), np.asarray(r["accepted"], dtype=float)
+        ax.scatter(h, a + rng.uniform(-0.15, 0.15, len(a)), s=8, alpha=0.5, label=task)
+    law = report.get("law", {})
+    if "b0" in law:
+        all_h = np.concatenate([np.asarray(report["_rounds"][t]["entropy"]) for t in tasks])
+        grid = np.linspace(0, max(all_h.max(), 0.1), 200)
+        ax.plot(grid, expected_accept(grid, law["b0"], law["b1"], report["block_size"] - 1), "k-",
+                label=f"law: b0={law['b0']:.2f}, b1={law['b1']:.2f}")
+    ax.set_xlabel("root entropy H (nats)")
+    ax.set_ylabel("accepted drafts per round")
+    ax.set_title("Entropy vs accepted length")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p2 = out / "entropy_law.png"
+    fig.savefig(p2, dpi=120)
+    plt.close(fig)
+    return [p1, p2]
+
+
+def save_json(report: dict[str, Any], path: str | Path) -> None:
+    public = {k: v for k, v in report.items() if not k.startswith("_")}
+    Path(path).write_text(json.dumps(public, indent=2))

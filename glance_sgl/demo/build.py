@@ -1,0 +1,109 @@
+"""`glance demo build`: rebuild the bundled demo VLM and its GLANCE drafter from scratch, with fixed seeds.
+
+Stages (each skipped when its output exists, so an interrupted build resumes):
+1. train the demo VLM (``WORK/target``), report its accuracy per grounded task;
+2. self-distillation data: the VLM's greedy answers + tap features (``WORK/distill``);
+3. train the drafter (``WORK/drafter``, checkpoints in ``WORK/drafter/checkpoint``), report tau per task;
+4. install both into the package's assets (weights in float32), unless ``--no-install``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import paths
+from .tasks import TASKS, eval_set, train_example
+from .target_training import TargetRecipe, target_accuracy, train_target
+
+DISTILL_PER_TASK = 400
+
+
+@dataclass
+class DemoRecipe:
+    target: TargetRecipe
+    distill_per_task: int = DISTILL_PER_TASK
+    drafter_steps: int = 2000
+    drafter_layers: int = 2
+    block_size: int = 16
+    budget: int = 31
+    branch_k: int = 4
+    seed: int = 0
+
+
+def quick_recipe() -> DemoRecipe:
+    """A minutes-long smoke version of the recipe (answers will be poor)."""
+    return DemoRecipe(target=TargetRecipe(steps=30, batch_size=4), distill_per_task=4, drafter_steps=20)
+
+
+def build_demo(work_dir: str | Path, recipe: DemoRecipe | None = None, install: bool = True,
+               progress: bool = True) -> dict:
+    """Run the stages; returns a report dict (also written to ``WORK/report.json``)."""
+    from ..drafter import GlanceDrafter
+    from ..engine import GlanceEngine
+    from ..target import TargetAdapter
+    from ..train.data import DistillDataset, build_distill_data
+    from ..train.trainer import DrafterTrainConfig, evaluate_tau, new_drafter_for, train_drafter
+
+    recipe = recipe or DemoRecipe(target=TargetRecipe())
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"recipe": asdict(recipe)}
+    timings: dict[str, float] = {}
+
+    t0 = time.time()
+    target_dir = work / "target"
+    if not (target_dir / "model.safetensors").is_file() or not (work / "target.done").is_file():
+        train_target(target_dir, recipe.target, progress=progress)
+        (work / "target.done").write_text("ok\n")
+    timings["target_s"] = time.time() - t0
+
+    target = TargetAdapter.load(target_dir)
+    ar_engine = GlanceEngine(target, None, mode="ar")
+    report["target_accuracy"] = target_accuracy(ar_engine)
+    print("demo VLM accuracy per grounded task:", json.dumps(report["target_accuracy"]), flush=True)
+
+    t0 = time.time()
+    dcfg = DrafterTrainConfig(steps=recipe.drafter_steps, block_size=recipe.block_size,
+                              num_layers=recipe.drafter_layers, budget=recipe.budget, branch_k=recipe.branch_k,
+                              seed=recipe.seed)
+    taps = new_drafter_for(target, dcfg).config.tap_layers
+    distill_dir = work / "distill"
+    if not (distill_dir / "distill.json").is_file():
+        requests = ((task, train_example(task, i).messages()) for i in range(recipe.distill_per_task)
+                    for task in TASKS)
+        build_distill_data(ar_engine, requests, distill_dir, taps=taps, total=recipe.distill_per_task * len(TASKS),
+                           progress=progress)
+    timings["distill_s"] = time.time() - t0
+
+    t0 = time.time()
+    drafter_dir = work / "drafter"
+    if not (drafter_dir / "model.safetensors").is_file():
+        train_drafter(target, DistillDataset(distill_dir), drafter_dir, dcfg, progress=progress)
+    timings["drafter_s"] = time.time() - t0
+
+    drafter = GlanceDrafter.from_pretrained(drafter_dir)
+    engine = GlanceEngine(target, drafter)
+    report["tau"] = evaluate_tau(engine, {t: [e.messages() for e in eval_set(t)[:10]] for t in TASKS},
+                                 progress=progress)
+    print("tau per task:", json.dumps(report["tau"]), flush=True)
+    report["timings"] = timings
+    if install:
+        install_assets(target_dir, drafter_dir)
+        report["installed"] = str(paths.ASSETS)
+    (work / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def install_assets(target_dir: Path, drafter_dir: Path) -> None:
+    """Copy the checkpoint files (no training state) into the package's assets."""
+    for src, dst in ((target_dir, paths.bundled_target()), (drafter_dir, paths.bundled_drafter())):
+        if dst.exists():
+            shutil.rmtree(dst)
+        dst.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.is_file() and f.suffix in (".json", ".safetensors", ".jinja", ".txt") and f.name != "train_log.jsonl":
+                shutil.copy2(f, dst / f.name)

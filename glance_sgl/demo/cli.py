@@ -1,0 +1,72 @@
+"""`glance demo build` and `glance bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def cmd_demo_build(args: argparse.Namespace) -> int:
+    from .build import DemoRecipe, build_demo, quick_recipe
+    from .target_training import TargetRecipe
+
+    recipe = quick_recipe() if args.quick else DemoRecipe(target=TargetRecipe())
+    report = build_demo(args.work, recipe, install=not args.no_install)
+    print(json.dumps({k: v for k, v in report.items() if k != "recipe"}, indent=2))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..cli import CLIError, default_checkpoints
+    from ..engine import GlanceEngine
+    from .bench import format_table, run_bench, save_json, write_plots
+    from .tasks import TASKS
+
+    demo_model, demo_drafter = default_checkpoints()
+    model = Path(args.model) if args.model else demo_model
+    drafter = Path(args.drafter) if args.drafter else demo_drafter
+    if model is None or drafter is None:
+        raise CLIError("no bundled demo checkpoints (run `glance demo build`) and no --model/--drafter given")
+    tasks = tuple(args.task) if args.task else TASKS
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise CLIError(f"unknown task(s) {bad}; tasks: {', '.join(TASKS)}")
+    if args.limit < 1:
+        raise CLIError("--limit must be >= 1")
+    torch.manual_seed(0)
+    engine = GlanceEngine.load(model, drafter, budget=args.budget, branch_k=args.branch_k)
+    report = run_bench(engine, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks, peers=not args.no_peers)
+    print(format_table(report))
+    if args.json:
+        save_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        for p in write_plots(report, args.plot):
+            print(f"wrote {p}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser("demo", help="the bundled demo VLM and drafter")
+    demo_sub = demo.add_subparsers(dest="demo_command", required=True)
+    build = demo_sub.add_parser("build", help="rebuild the demo VLM and its drafter from scratch (fixed seeds)")
+    build.add_argument("--work", default="runs/demo", help="working directory (stages resume from it)")
+    build.add_argument("--quick", action="store_true", help="a minutes-long smoke build (poor answers)")
+    build.add_argument("--no-install", action="store_true", help="do not copy the result into the package")
+    build.set_defaults(func=cmd_demo_build)
+
+    bench = sub.add_parser("bench", help="AR vs GLANCE (and peers) on the demo evaluation prompts")
+    bench.add_argument("--limit", type=int, default=10, help="prompts per task")
+    bench.add_argument("--task", action="append", help="only this task (repeatable)")
+    bench.add_argument("--max-tokens", type=int, default=96)
+    bench.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
+    bench.add_argument("--branch-k", type=int, default=None)
+    bench.add_argument("--model", help="target directory (default: bundled demo)")
+    bench.add_argument("--drafter", help="drafter directory (default: bundled demo)")
+    bench.add_argument("--no-peers", action="store_true", help="skip the Hugging Face generate peers")
+    bench.add_argument("--json", help="write the report as JSON")
+    bench.add_argument("--plot", help="directory for PNG plots")
+    bench.set_defaults(func=cmd_bench)
