@@ -129,17 +129,21 @@ class Gateway:
 
     def submit(self, req: GenRequest) -> Job:
         try:
-            return self.backend.submit(req)
+            job = self.backend.submit(req)
         except APIError as exc:
-            if exc.status >= 500:
-                self.telemetry.engine_errors.inc()
+            self.observe("error", exc)
             raise
+        job.on_finish = self.observe
+        return job
 
-    def finished(self, out: GenOutput) -> None:
-        self.telemetry.observe_generation(out.glance, out.prompt_tokens, out.completion_tokens, out.finish_reason)
-
-    def failed(self, exc: APIError) -> None:
-        if exc.status >= 500:
+    def observe(self, kind: str, payload: Any) -> None:
+        """Telemetry of a finished job (also when its client has gone)."""
+        if kind == "done":
+            self.telemetry.observe_generation(payload.glance, payload.prompt_tokens, payload.completion_tokens,
+                                              payload.finish_reason)
+        elif payload.status == 499:
+            self.telemetry.finished.labels("cancelled").inc()
+        elif payload.status >= 500:
             self.telemetry.engine_errors.inc()
 
     async def events(self, job: Job, t0: float) -> AsyncIterator[tuple[str, Any]]:
@@ -155,10 +159,6 @@ class Gateway:
             if kind == "delta" and first:
                 first = False
                 self.telemetry.ttft.observe(time.perf_counter() - t0)
-            elif kind == "done":
-                self.finished(payload)
-            elif kind == "error":
-                self.failed(payload)
             yield kind, payload
             if kind in ("done", "error"):
                 return

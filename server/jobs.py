@@ -55,13 +55,19 @@ class Job:
         self.cancelled = threading.Event()
         self._events: asyncio.Queue = asyncio.Queue()
         self._on_cancel: list[Any] = []
+        self.on_finish: Any = None  # called on the loop with ("done", GenOutput) / ("error", APIError)
 
     # producer side (any thread)
     def post(self, kind: str, payload: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self._events.put_nowait, (kind, payload))
+            self.loop.call_soon_threadsafe(self._deliver, kind, payload)
         except RuntimeError:  # the loop is closed: nobody listens any more
             pass
+
+    def _deliver(self, kind: str, payload: Any) -> None:
+        self._events.put_nowait((kind, payload))
+        if kind in ("done", "error") and self.on_finish is not None:
+            self.on_finish(kind, payload)  # whether or not a client is still listening
 
     @property
     def queue_ms(self) -> float:

@@ -121,13 +121,17 @@ def glance_from_meta(meta: dict[str, Any], prefill_ms: float, decode_ms: float, 
 
 
 def upstream_rejection(status: int, raw: bytes) -> APIError:
+    """An upstream error answer: the client's fault (400) or the deployment's (502 / 503)."""
     try:
         message = json.loads(raw)["error"]["message"]
     except Exception:
         message = raw[:500].decode("utf-8", "replace")
+    if status in (401, 403):
+        return APIError(502, f"the upstream server refused the gateway's credentials: {message}", "upstream_auth")
     if 400 <= status < 500 and status != 429:
         return APIError(400, f"upstream: {message}", "upstream_rejected")
-    return APIError(503, f"upstream answered {status}: {message}", "upstream_unavailable")
+    return APIError(503, f"upstream answered {status}: {message}", "upstream_unavailable",
+                    headers={"Retry-After": "1"} if status == 429 else None)
 
 
 def png_data_url(image) -> str:

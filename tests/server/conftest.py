@@ -11,10 +11,8 @@ from glance_sgl.checkpoints import MASK_TOKEN, build_random_target
 from glance_sgl.drafter import GlanceDrafter
 from glance_sgl.engine import GlanceEngine
 from glance_server.app import create_app
-from glance_server.config import MiB, ServerConfig
-from glance_server.embedded import EmbeddedBackend
 from glance_server.sglang import SGLangBackend
-from server_helpers import API_KEY, MODEL, ServerThread
+from server_helpers import API_KEY, ServerThread, base_config, start_embedded
 
 
 @pytest.fixture(scope="session")
@@ -32,21 +30,6 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
 def engine(checkpoints) -> GlanceEngine:
     target_dir, drafter_dir = checkpoints
     return GlanceEngine.load(target_dir, drafter_dir, budget=7)
-
-
-def base_config(**overrides) -> ServerConfig:
-    settings = dict(served_model_name=MODEL, api_key=API_KEY, max_body_bytes=2 * MiB, max_images=2,
-                    max_image_bytes=1 * MiB, max_image_pixels=4_000_000, max_tokens_limit=512, default_max_tokens=16,
-                    calibrate=False, request_timeout_s=120)
-    settings.update(overrides)
-    return ServerConfig(**settings)
-
-
-def start_embedded(engine: GlanceEngine, **overrides) -> ServerThread:
-    config = base_config(**overrides)
-    server = ServerThread(create_app(config, EmbeddedBackend(engine, config), engine.target.processor))
-    server.wait_ready()
-    return server
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +68,17 @@ def sglang_gateway(gateway, engine):
 @pytest.fixture()
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def long_prompt(engine) -> str:
+    """A text prompt whose greedy answer does not stop early (so that a request with a large max_tokens keeps
+    the engine busy for seconds)."""
+    from glance_sgl.engine import SamplingParams
+
+    for k in range(20):
+        prompt = f"write a long story number {k}"
+        result = engine.generate([{"role": "user", "content": prompt}], SamplingParams(max_tokens=48), mode="ar")
+        if result.finish_reason == "length":
+            return prompt
+    pytest.skip("no long-running prompt found for this random model")

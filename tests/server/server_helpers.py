@@ -12,6 +12,10 @@ import numpy as np
 import uvicorn
 from PIL import Image
 
+from glance_server.app import create_app
+from glance_server.config import MiB, ServerConfig
+from glance_server.embedded import EmbeddedBackend
+
 API_KEY = "test-key-123"
 MODEL = "glance-test"
 
@@ -64,3 +68,18 @@ def image_message(text: str, seed: int = 0, n_images: int = 1) -> list[dict]:
                          for k in range(n_images)]
     parts.append({"type": "text", "text": text})
     return [{"role": "user", "content": parts}]
+
+
+def base_config(**overrides) -> ServerConfig:
+    settings = dict(served_model_name=MODEL, api_key=API_KEY, max_body_bytes=2 * MiB, max_images=2,
+                    max_image_bytes=1 * MiB, max_image_pixels=4_000_000, max_tokens_limit=512, default_max_tokens=16,
+                    calibrate=False, request_timeout_s=120)
+    settings.update(overrides)
+    return ServerConfig(**settings)
+
+
+def start_embedded(engine: GlanceEngine, **overrides) -> ServerThread:
+    config = base_config(**overrides)
+    server = ServerThread(create_app(config, EmbeddedBackend(engine, config), engine.target.processor))
+    server.wait_ready()
+    return server
