@@ -23,7 +23,8 @@ test: venv
 	$(BIN)/python -m pytest -q --timeout=900 tests
 
 serve: venv
-	$(BIN)/python -m glance_sgl.cli serve-example
+	@$(BIN)/python -m glance_server.example --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000)
+	$(BIN)/glance serve --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

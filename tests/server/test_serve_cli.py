@@ -1,0 +1,83 @@
+"""``glance serve``: argument errors, the bundled-demo check, and a real server process end to end."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from glance_sgl import cli as glance_cli
+from server_helpers import image_message
+
+pytestmark = pytest.mark.timeout(180)
+GLANCE = [sys.executable, "-m", "glance_sgl.cli"]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        glance_cli.main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    from glance_sgl.demo import paths
+
+    monkeypatch.setattr(paths, "bundled_target", lambda: tmp_path / "no-target")
+    monkeypatch.setattr(paths, "bundled_drafter", lambda: tmp_path / "no-drafter")
+    code, err = run_cli(["serve"], capsys)
+    assert code == 2 and "bundled demo model is missing" in err and "glance demo build" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--model", "/nonexistent/model"], "config.json missing"),
+    (["serve", "--backend", "sglang"], "needs --upstream"),
+    (["serve", "--api-key-env", "GLANCE_TEST_UNSET_VARIABLE"], "unset or empty"),
+    (["serve", "--allow-remote-images"], "--remote-image-host"),
+])
+def test_serve_argument_errors(argv, message, capsys, checkpoints):
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and message in err
+
+
+def test_glance_serve_process(checkpoints, tmp_path):
+    target, drafter = checkpoints
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLANCE_TEST_KEY": "s3cret"}
+    proc = subprocess.Popen(
+        [*GLANCE, "serve", "--model", str(target), "--drafter", str(drafter), "--port", "0", "--budget", "7",
+         "--served-model-name", "tiny", "--api-key-env", "GLANCE_TEST_KEY", "--no-calibrate", "--threads", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        deadline = time.time() + 120
+        log = []
+        while url is None and time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            log.append(line)
+            if m := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line):
+                url = m.group(1)
+        assert url, "".join(log)
+        while httpx.get(url + "/ready").status_code != 200:
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="tiny", messages=image_message("hello", seed=2), max_tokens=5,
+                                           temperature=0)
+        assert r.usage.completion_tokens >= 1 and r.model_extra["glance"]["backend"] == "embedded"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0
