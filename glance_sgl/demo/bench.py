@@ -60,7 +60,8 @@ class TaskResult:
         ar, other = self.totals["ar"], self.totals[method]
         if e2e:
             return ar.e2e_ms / other.e2e_ms if other.e2e_ms else math.nan
-        return ar.ms_per_token / other.ms_per_token
+        mine = other.ms_per_token
+        return ar.ms_per_token / mine if mine > 0 else math.nan
 
     def summary(self) -> dict[str, Any]:
         tau = self.committed / self.rounds if self.rounds else 1.0

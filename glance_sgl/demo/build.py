@@ -19,14 +19,14 @@ from . import paths
 from .tasks import TASKS, eval_set, train_example
 from .target_training import TargetRecipe, target_accuracy, train_target
 
-DISTILL_PER_TASK = 400
+DISTILL_PER_TASK = 300
 
 
 @dataclass
 class DemoRecipe:
     target: TargetRecipe
     distill_per_task: int = DISTILL_PER_TASK
-    drafter_steps: int = 2000
+    drafter_steps: int = 1500
     drafter_layers: int = 2
     block_size: int = 16
     budget: int = 31

@@ -19,6 +19,7 @@ import torch
 from ..checkpoints import save_target, tiny_target_config, train_tokenizer
 from .tasks import GROUNDED, TASKS, Example, eval_set, train_example
 
+STATE_FILE = "trainer_state.pt"
 TASK_WEIGHTS = {"caption": 1.0, "text": 1.3, "chart": 1.5, "document": 1.5, "open": 0.8}
 
 
@@ -32,7 +33,7 @@ class TargetRecipe:
     intermediate_size: int = 512
     vision_hidden: int = 128
     vision_depth: int = 3
-    steps: int = 2500
+    steps: int = 1600
     batch_size: int = 16
     lr: float = 2e-3
     warmup: int = 100
@@ -83,13 +84,15 @@ def lr_at(step: int, recipe: TargetRecipe) -> float:
 
 
 def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progress: bool = True,
-                 log_every: int = 50) -> Path:
-    """Train the demo VLM and save it to ``out_dir``. Returns the directory."""
+                 log_every: int = 50, checkpoint_every: int = 200) -> Path:
+    """Train the demo VLM and save it to ``out_dir``; checkpoints in ``out_dir/checkpoint`` every
+    ``checkpoint_every`` steps, and a rerun resumes from the last one. Returns the directory."""
     from tqdm import tqdm
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     recipe = recipe or TargetRecipe()
     out = Path(out_dir)
+    ckpt = out / "checkpoint"
     torch.manual_seed(recipe.seed)
     tokenizer = build_demo_tokenizer(recipe)
     config = tiny_target_config(
@@ -98,12 +101,24 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
         vision_hidden=recipe.vision_hidden, vision_depth=recipe.vision_depth, max_position_embeddings=2048,
     )
     model = Qwen2_5_VLForConditionalGeneration(config).float().train()
-    save_target(model, tokenizer, out, max_pixels=recipe.max_pixels)  # writes the processor files too
-    processor = AutoProcessor.from_pretrained(out)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(f"target:{recipe.seed}")
     counters = {t: 0 for t in TASKS}
-    bar = tqdm(range(recipe.steps), desc="train demo VLM", disable=not progress, dynamic_ncols=True)
+    start = 0
+    if (ckpt / STATE_FILE).is_file():
+        from safetensors.torch import load_file
+
+        state = torch.load(ckpt / STATE_FILE, weights_only=False)
+        model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+        opt.load_state_dict(state["optimizer"])
+        rng.setstate(state["rng"])
+        counters, start = state["counters"], int(state["step"])
+        torch.set_rng_state(state["torch_rng"])
+    else:
+        save_target(model, tokenizer, out, max_pixels=recipe.max_pixels)  # writes the processor files too
+    processor = AutoProcessor.from_pretrained(out)
+    bar = tqdm(range(start, recipe.steps), initial=start, total=recipe.steps, desc="train demo VLM",
+               disable=not progress, dynamic_ncols=True)
     ema, t0 = None, time.time()
     for step in bar:
         examples = []
@@ -123,6 +138,10 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
         bar.set_postfix(loss=f"{ema:.3f}")
         if not progress and step % log_every == 0:
             print(f"step {step} loss {ema:.3f} ({time.time() - t0:.0f}s)", flush=True)
+        if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < recipe.steps:
+            save_target(model, tokenizer, ckpt, max_pixels=recipe.max_pixels)
+            torch.save({"optimizer": opt.state_dict(), "rng": rng.getstate(), "counters": counters,
+                        "step": step + 1, "torch_rng": torch.get_rng_state()}, ckpt / STATE_FILE)
     model.eval()
     save_target(model, tokenizer, out, max_pixels=recipe.max_pixels)
     return out

@@ -1,0 +1,62 @@
+"""The demo: deterministic disjoint task data, the bundled checkpoints, the bench report's schema."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glance_sgl.demo import paths
+from glance_sgl.demo.tasks import GROUNDED, TASKS, eval_set, train_example
+
+
+def pixels(img) -> bytes:
+    return np.asarray(img).tobytes()
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_tasks_are_deterministic_and_disjoint(task):
+    a, b = train_example(task, 7), train_example(task, 7)
+    assert (a.prompt, a.answer, pixels(a.image)) == (b.prompt, b.answer, pixels(b.image))
+    assert [e.key for e in eval_set(task)] == [e.key for e in eval_set(task)]
+    eval_keys = {e.key for e in eval_set(task)}
+    assert len(eval_set(task)) == 40
+    assert not eval_keys & {train_example(task, i).key for i in range(400)}
+    assert a.grounded == GROUNDED[task]
+
+
+def test_grounded_answers_depend_on_the_image():
+    answers = {train_example("text", i).answer for i in range(30)}
+    assert len(answers) > 20  # different signs, different answers
+    ex = train_example("caption", 3)
+    assert ex.messages()[0]["content"][0]["image"] is ex.image
+
+
+def test_bundled_checkpoints_answer_a_grounded_question():
+    """The bundled demo loads offline and reads a sign it never saw in training, speculatively and losslessly."""
+    from glance_sgl.engine import GlanceEngine, SamplingParams
+
+    assert (paths.bundled_target() / "config.json").is_file(), "bundled demo target missing"
+    assert (paths.bundled_drafter() / "config.json").is_file(), "bundled demo drafter missing"
+    engine = GlanceEngine.load(paths.bundled_target(), paths.bundled_drafter())
+    hits = 0
+    for ex in eval_set("text")[:5]:
+        glance = engine.generate(ex.messages(), SamplingParams(max_tokens=48))
+        ar = engine.generate(ex.messages(), SamplingParams(max_tokens=48), mode="ar")
+        assert glance.token_ids == ar.token_ids
+        hits += glance.text.strip() == ex.answer
+    assert hits >= 4, f"only {hits}/5 signs read correctly"
+
+
+def test_bench_report_schema(engines):
+    from glance_sgl.demo.bench import format_table, run_bench
+
+    report = run_bench(engines["qwen2_5_vl"], limit=1, max_tokens=8, tasks=("caption", "open"), progress=False)
+    for task in ("caption", "open"):
+        s = report["tasks"][task]
+        for key in ("grounded", "tau", "decode_speedup", "e2e_speedup", "lossless_match_rate",
+                    "chain_decode_speedup", "prompt_lookup_decode_speedup", "mean_root_entropy"):
+            assert key in s
+        assert s["lossless_match_rate"] == 1.0
+    assert report["tasks"]["caption"]["grounded"] and not report["tasks"]["open"]["grounded"]
+    assert "geomean_decode_speedup" in report and "holds" in report["law"]
+    assert "geomean" in format_table(report)
