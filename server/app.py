@@ -284,6 +284,11 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
             message, param = "the request body is not valid JSON", None
         return bad_request(message, "invalid_request", param).response()
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.error("unhandled error on %s: %r", request.url.path, exc)
+        return APIError(500, "internal server error", "internal_error").response()
+
     @app.exception_handler(404)
     async def not_found(request: Request, _exc):
         return APIError(404, f"no route {request.method} {request.url.path}", "not_found").response()

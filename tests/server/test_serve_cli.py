@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -47,7 +46,7 @@ def test_serve_argument_errors(argv, message, capsys, checkpoints):
     assert code == 2 and message in err
 
 
-def test_glance_serve_process(checkpoints, tmp_path):
+def test_glance_serve_process(checkpoints):
     target, drafter = checkpoints
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLANCE_TEST_KEY": "s3cret"}
     proc = subprocess.Popen(
