@@ -21,7 +21,7 @@ import torch
 
 from .drafter import DrafterCache, GlanceDrafter, draft_logprobs
 from .metrics import RequestMetrics, entropy_nats
-from .target import TargetAdapter, TargetError, TargetState
+from .target import PreparedPrompt, TargetAdapter, TargetError, TargetState
 from .tree import DraftTree, build_tree, chain_tree, topk_per_offset
 from .verify import SamplingSpec, target_choices, verify_tree
 
@@ -30,7 +30,11 @@ MAX_STOP_STRINGS = 8
 
 
 class RequestError(ValueError):
-    """A request the engine refuses, with a message that names the problem."""
+    """A request the engine refuses, with a message that names the problem and an OpenAI-style ``code``."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
 
 
 @dataclass
@@ -206,8 +210,11 @@ class GlanceEngine:
             raise RequestError(f"mode {mode!r} needs a drafter; this engine has none")
         if mode not in ("glance", "chain", "ar"):
             raise RequestError(f"unknown decoding mode {mode!r}")
-        with self._lock:
-            return self._run(messages, params, mode, on_delta, should_stop)
+        with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
+            t0 = time.perf_counter()
+            prompt = self.target.prepare(messages)
+            prepare_ms = (time.perf_counter() - t0) * 1000.0
+            return self._run(prompt, prepare_ms, params, mode, on_delta, should_stop)
 
     def stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
                mode: Mode | None = None) -> Iterator[StreamDelta | GenerationResult]:
@@ -237,25 +244,26 @@ class GlanceEngine:
             thread.join()
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, messages, params: SamplingParams, mode: Mode, on_delta, should_stop) -> GenerationResult:
+    def _run(self, prompt: PreparedPrompt, prepare_ms: float, params: SamplingParams, mode: Mode, on_delta,
+             should_stop) -> GenerationResult:
+        """The decoding loop. ``prefill_ms`` counts the prompt's preparation (``prepare_ms``) and the prefill."""
         spec = SamplingSpec(params.temperature, params.top_p,
                             params.seed if params.seed is not None else random.getrandbits(62))
         metrics = RequestMetrics(mode=mode, block_size=self.block_size if mode != "ar" else 1)
         out = _Output(self.target.tokenizer, self.eos_ids, params)
 
         t0 = time.perf_counter()
-        prompt = self.target.prepare(messages)
         metrics.prompt_tokens = prompt.num_tokens
         if prompt.num_tokens + params.max_tokens + self.budget + 1 > self.target.context_length:
             raise RequestError(
                 f"prompt ({prompt.num_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                f"length ({self.target.context_length})"
+                f"length ({self.target.context_length})", code="context_length_exceeded", param="messages",
             )
         state, rows = self.target.prefill(prompt, taps=self._taps(mode))
         first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec)[0])
         dcache = self._start_drafter(rows.taps) if mode != "ar" else None
         out.add([first])
-        metrics.prefill_ms = (time.perf_counter() - t0) * 1000.0
+        metrics.prefill_ms = prepare_ms + (time.perf_counter() - t0) * 1000.0
         self._emit(on_delta, out, [first])
 
         t1 = time.perf_counter()

@@ -39,9 +39,7 @@ class InjectedFault(RuntimeError):
 
 
 def engine_error(exc: Exception) -> APIError:
-    message = str(exc)
-    code = "context_length_exceeded" if "context length" in message else "invalid_request"
-    return bad_request(message, code, "messages" if code == "context_length_exceeded" else None)
+    return bad_request(str(exc), getattr(exc, "code", "invalid_request"), getattr(exc, "param", None))
 
 
 def calibration_messages() -> list[dict[str, Any]]:
