@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--stream-fraction", type=float, default=0.75, help="share of streaming chat requests")
     g.add_argument("--task-weights", type=_weights, default=None, metavar="NAME=W,...",
-                   help="override task weights (ChatUser: one_image=3,two_images=1,text=1,generate_multipart=0)")
+                   help="override task weights (ChatUser: chat_one_image=3,chat_two_images=1,chat_text=1,generate_multipart=0)")
     g.add_argument("--user-class", default=None, metavar="MODULE:CLASS", help="your own glance_loadtest.User")
     g.add_argument("--mode", choices=["glance", "chain", "ar"], default=None, help="decoding mode to request")
     g.add_argument("--measure-speedup", type=float, default=0.0, metavar="FRACTION",

@@ -90,9 +90,9 @@ def table(result: RunResult) -> str:
     if result.server is not None:
         c = s.get("consistency", {})
         lines.append(_title("Server /metrics during the run"))
-        lines += [_row("Chat requests by status (server):", _statuses(result.server["chat_requests_by_status"])),
-                  _row("Chat requests by status (client):", _statuses(c.get("client_chat_by_status", {}))),
-                  _row("Counts match:", "yes" if c.get("chat_counts_match") else "NO"),
+        lines += [_row("Requests by status (server):", _statuses(c.get("server_by_status", {}))),
+                  _row("Requests by status (client):", _statuses(c.get("client_by_status", {}))),
+                  _row("Counts match:", "yes" if c.get("counts_match") else "NO"),
                   _row("Completion tokens server / client:",
                        f"{result.server['completion_tokens']} / {c.get('client_completion_tokens')}"),
                   _row("Server tau mean (histogram):", result.server["tau_mean"]),

@@ -327,17 +327,14 @@ async def _scrape(gateway: GatewayClient) -> dict | None:
 async def _settled_delta(gateway: GatewayClient, before: dict, records: list[RequestRecord]) -> dict | None:
     """The server's counts after the run, once they cover every answered request (the gateway counts a
     request when its response has ended, a moment after the client has read it)."""
-    want = {"chat": sum(r.status is not None and r.endpoint == "chat" for r in records),
-            "generate": sum(r.status is not None and r.endpoint == "generate" for r in records)}
+    want = sum(r.status is not None for r in records)
     delta = None
     for _ in range(50):
         after = await _scrape(gateway)
         if after is None:
             return None
         delta = server_delta(before, after)
-        got = {"chat": sum(delta["chat_requests_by_status"].values()),
-               "generate": sum(delta["generate_requests_by_status"].values())}
-        if got == want and delta["in_flight"] == 0 and delta["queue_depth"] == 0:
+        if sum(delta["load_requests_by_status"].values()) == want and delta["in_flight"] == 0 and delta["queue_depth"] == 0:
             break
         await asyncio.sleep(0.1)
     return delta
@@ -414,16 +411,19 @@ async def run_load_async(config: LoadConfig, progress_stream: TextIO | None = No
 
 
 def consistency(records: list[RequestRecord], server: dict[str, Any]) -> dict[str, Any]:
-    """Client records vs the gateway's counters (no lost or double-counted requests)."""
-    chat = [r for r in records if r.endpoint == "chat" and r.status is not None]
-    client_by_status: dict[str, int] = {}
-    for r in chat:
-        client_by_status[str(r.status)] = client_by_status.get(str(r.status), 0) + 1
+    """Client records vs the gateway's counters (no lost or double-counted requests): every request that got
+    an HTTP status, by status, against what the gateway counted on the chat and multipart routes (plus the
+    requests it refused before routing, such as a wrong API key)."""
+    client: dict[str, int] = {}
+    for r in records:
+        if r.status is not None:
+            client[str(r.status)] = client.get(str(r.status), 0) + 1
     ok = [r for r in records if r.ok]
     return {
-        "client_chat_by_status": dict(sorted(client_by_status.items())),
-        "server_chat_by_status": server["chat_requests_by_status"],
-        "chat_counts_match": dict(sorted(client_by_status.items())) == server["chat_requests_by_status"],
+        "client_by_status": dict(sorted(client.items())),
+        "server_by_status": server["load_requests_by_status"],
+        "counts_match": dict(sorted(client.items())) == server["load_requests_by_status"],
+        "no_response": sum(r.status is None for r in records),
         "client_completion_tokens": sum(r.completion_tokens or 0 for r in ok),
         "server_completion_tokens": server["completion_tokens"],
     }

@@ -271,20 +271,25 @@ def server_delta(before: dict, after: dict) -> dict[str, Any]:
     def d(name: str, **labels: str) -> float:
         return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
-    statuses = {}
+    by_route: dict[str, dict[str, int]] = {}
     for (name, ls), _ in after.items():
-        if name == "glance_requests_total" and ("route", "/v1/chat/completions") in ls:
-            code = dict(ls)["status"]
-            statuses[code] = int(d("glance_requests_total", route="/v1/chat/completions", status=code))
-    gen_statuses = {}
-    for (name, ls), _ in after.items():
-        if name == "glance_requests_total" and ("route", "/v1/generate") in ls:
-            code = dict(ls)["status"]
-            gen_statuses[code] = int(d("glance_requests_total", route="/v1/generate", status=code))
+        if name == "glance_requests_total":
+            lab = dict(ls)
+            n = int(d("glance_requests_total", route=lab.get("route", ""), status=lab.get("status", "")))
+            if n:
+                by_route.setdefault(lab.get("route", ""), {})[lab.get("status", "")] = n
+    load_routes = ("/v1/chat/completions", "/v1/generate", "other")  # "other": refused before routing (401, 413)
+    load: dict[str, int] = {}
+    for route in load_routes:
+        for code, n in by_route.get(route, {}).items():
+            load[code] = load.get(code, 0) + n
     tau_n, tau_sum = d("glance_tau_count"), d("glance_tau_sum")
     return {
-        "chat_requests_by_status": {k: v for k, v in sorted(statuses.items()) if v},
-        "generate_requests_by_status": {k: v for k, v in sorted(gen_statuses.items()) if v},
+        "requests_by_route": {r: dict(sorted(v.items())) for r, v in sorted(by_route.items())},
+        "chat_requests_by_status": dict(sorted(by_route.get("/v1/chat/completions", {}).items())),
+        "generate_requests_by_status": dict(sorted(by_route.get("/v1/generate", {}).items())),
+        # what the load itself caused: the chat and multipart routes and requests refused before routing
+        "load_requests_by_status": dict(sorted(load.items())),
         "generations": int(d("glance_generations_total")),
         "prompt_tokens": int(d("glance_prompt_tokens_total")),
         "completion_tokens": int(d("glance_completion_tokens_total")),
