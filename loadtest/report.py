@@ -51,7 +51,7 @@ def table(result: RunResult) -> str:
     gp = s["goodput"]
     if gp["slos_ms"]:
         slos = " ".join(f"{k}:{v:g}" for k, v in gp["slos_ms"].items())
-        lines += [_row(f"Request goodput (req/s) [{slos} ms]:", gp["request_goodput"]),
+        lines += [_row("Goodput SLOs (ms):", slos), _row("Request goodput (req/s):", gp["request_goodput"]),
                   _row("Requests within SLOs (%):", 100 * gp["fraction"] if gp["fraction"] is not None else None)]
     for key, name in (("e2e_ms", "End-to-End Latency"), ("ttft_ms", "Time to First Token"),
                       ("tpot_ms", "Time per Output Token (excl. 1st token)"), ("itl_ms", "Inter-token Latency")):
@@ -60,7 +60,9 @@ def table(result: RunResult) -> str:
         lines.append(_title(name))
         lines += [_row(f"Mean {short} (ms):", d["mean"]), _row(f"Median {short} (ms):", d["median"]),
                   _row(f"P90 {short} (ms):", d["p90"]), _row(f"P99 {short} (ms):", d["p99"])]
-    lines.append(_row("Tokens per stream chunk (mean):", s["tokens_per_chunk"]))
+    lines.append(_title("Other"))
+    lines += [_row("Tokens per stream chunk (mean):", s["tokens_per_chunk"]),
+              _row("Server queue time mean / P99 (ms):", _pair(s["queue_ms"]["mean"], s["queue_ms"]["p99"]))]
     sp = s["speculative"]
     lines.append(_title("Speculative decoding (from responses)"))
     lines += [_row("Decoding modes:", " ".join(f"{k}={v}" for k, v in sp["modes"].items()) or None),
@@ -173,19 +175,22 @@ def write_plots(result: RunResult, out_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     tl = result.timeline
-    fig, ax1 = plt.subplots(figsize=(10, 4))
-    ax1.plot(tl["t"], tl["output_tokens_per_s"], label="output tok/s", color="tab:blue")
-    ax1.set_xlabel("time since start (s)")
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    ax1.plot(tl["t"], tl["output_tokens_per_s"], color="tab:blue", marker=".")
     ax1.set_ylabel("output tokens / s")
-    ax2 = ax1.twinx()
-    ax2.plot(tl["t"], tl["requests_per_s"], label="requests/s", color="tab:green")
-    if any(tl["errors_per_s"]):
-        ax2.plot(tl["t"], tl["errors_per_s"], label="errors/s", color="tab:red")
-    ax2.set_ylabel("requests / s")
-    lines = ax1.get_lines() + ax2.get_lines()
-    ax1.legend(lines, [ln.get_label() for ln in lines], loc="upper left", fontsize=8)
-    ax1.grid(alpha=0.3)
+    ax1.set_ylim(bottom=0)
     ax1.set_title("Throughput over time (1 s bins, by finish time)")
+    ax2.plot(tl["t"], tl["requests_per_s"], label="completed requests / s", color="tab:green", marker=".")
+    if any(tl["errors_per_s"]):
+        ax2.plot(tl["t"], tl["errors_per_s"], label="failed requests / s", color="tab:red", marker=".")
+    spans = [(r.start_s, r.end_s) for r in result.records if not math.isnan(r.end_s)]
+    in_flight = [sum(a <= t < b for a, b in spans) for t in tl["t"]]
+    ax2.step(tl["t"], in_flight, where="mid", label="in flight (at bin centre)", color="tab:grey")
+    ax2.set_ylim(bottom=0)
+    ax2.set_xlabel("time since start (s)")
+    ax2.legend(loc="upper left", fontsize=8)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     paths.append(out / "throughput.png")
     fig.savefig(paths[-1], dpi=100)

@@ -189,6 +189,7 @@ def summarize(records: list[RequestRecord], slos: dict[str, float] | None = None
         "tpot_ms": distribution(r.tpot_ms for r in streaming),
         "itl_ms": distribution(x for r in streaming for x in r.itl_ms),
         "e2e_ms": distribution(r.e2e_ms for r in ok),
+        "queue_ms": distribution(r.queue_ms for r in ok),  # the gateway's glance.queue_ms
         "tokens_per_chunk": (sum(r.completion_tokens or 0 for r in streaming) / sum(r.chunks for r in streaming)
                              if sum(r.chunks for r in streaming) else None),
         "goodput": {"slos_ms": slos, "good_requests": len(good), "request_goodput": len(good) / dur,
