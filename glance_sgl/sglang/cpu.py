@@ -1,0 +1,270 @@
+"""CPU mode for SGLang: what SGLang 0.5.23 needs to run GLANCE (and its own NGRAM) on a CPU.
+
+A development and CI mode, loaded only when the device is the CPU:
+
+- ``glance_cpu``: an attention backend (registered through SGLang's attention-backend registry) that subclasses
+  ``TorchNativeAttnBackend`` and adds the TARGET_VERIFY pass: per request, SDPA of the ``n`` verify rows over
+  ``req_to_token[r, :L + n]`` with the speculative input's FULL custom mask (``[n, L + n]`` per request).
+  Select it with ``--attention-backend glance_cpu`` (``--device cpu``).
+- torch versions of the speculative bookkeeping ops that SGLang imports from the CUDA-only ``sgl_kernel``
+  (``reconstruct_indices_from_tree_mask``, ``verify_tree_greedy``), installed when this backend is built on a
+  CPU (so SGLang's own NGRAM also runs here, for the benchmark). GLANCE's worker itself needs none of them:
+  it uses ``glance_sgl.verify`` and ``glance_kernels``.
+- ``vllm._custom_ops`` stand-in: SGLang's rotary embedding imports ``rotary_embedding`` from it off CUDA and
+  never calls it on the CPU path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import types
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "glance_cpu"
+_installed_ops = False
+
+
+def install_vllm_stub() -> None:
+    """A stand-in ``vllm._custom_ops`` when vllm is absent (the import is made, the function never called)."""
+    if "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None:
+        return
+
+    def rotary_embedding(*args, **kwargs):  # pragma: no cover - never called on the CPU path
+        raise RuntimeError("vllm is not installed: the CUDA rotary kernel is unavailable on this machine")
+
+    vllm = types.ModuleType("vllm")
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = rotary_embedding
+    vllm._custom_ops = ops
+    vllm.__glance_stub__ = True
+    sys.modules["vllm"], sys.modules["vllm._custom_ops"] = vllm, ops
+
+
+# ---------------------------------------------------------------------------------------------- torch ops
+def reconstruct_indices_from_tree_mask(tree_mask, verified_seq_len, positions, retrive_index, retrive_next_token,
+                                       retrive_next_sibling, batch_size, draft_token_num):
+    """Torch port of ``sgl_kernel``'s op (same contract as SGLang's Triton fallback), in place."""
+    n = draft_token_num
+    mask = tree_mask.view(batch_size, n, n).bool()
+    idx = torch.arange(n, device=mask.device)
+    anc = mask & (idx[None, None, :] < idx[None, :, None])  # strict ancestors [b, i, j]
+    positions.view(batch_size, n).copy_(anc.sum(-1) + verified_seq_len.view(-1, 1).to(positions.dtype))
+    retrive_index.view(batch_size, n).copy_(torch.arange(batch_size, device=mask.device)[:, None] * n + idx[None])
+    parent = torch.where(anc, idx[None, None, :], -1).max(-1).values  # [b, i]
+    big = torch.full_like(parent, n)
+    # first child of tid: min k > tid with anc[k, tid]
+    child = torch.where(anc.transpose(1, 2), idx[None, None, :], n).min(-1).values
+    retrive_next_token.view(batch_size, n).copy_(torch.where(child >= n, -1, child))
+    same = (parent[:, None, :] == parent[:, :, None]) & (idx[None, None, :] > idx[None, :, None])
+    sib = torch.where(same, idx[None, None, :], big[:, :, None]).min(-1).values
+    sib = torch.where((sib >= n) | (parent < 0), -1, sib)
+    retrive_next_sibling.view(batch_size, n).copy_(sib)
+
+
+def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                       retrive_next_sibling, target_predict, *args, **kwargs):
+    """Torch port of ``verify_tree_greedy`` (in place): walk every tree along the target's argmax."""
+    bs, n = candidates.shape
+    width = accept_index.shape[1]
+    cand = candidates.tolist()
+    nt, ns, ri = retrive_next_token.tolist(), retrive_next_sibling.tolist(), retrive_index.tolist()
+    tp = target_predict.view(bs, n).tolist() if target_predict.dim() == 2 or target_predict.numel() == bs * n \
+        else target_predict.tolist()
+    acc_idx = [[-1] * width for _ in range(bs)]
+    acc_num = [0] * bs
+    pred_updates = {}
+    for b in range(bs):
+        last = 0
+        acc_idx[b][0] = ri[b][0]
+        cur = nt[b][0]
+        for j in range(1, width):
+            while cur != -1:
+                if cand[b][cur] == tp[b][last]:
+                    break
+                cur = ns[b][cur]
+            if cur == -1:
+                break
+            pred_updates[ri[b][last]] = cand[b][cur]
+            acc_idx[b][j] = ri[b][cur]
+            acc_num[b] += 1
+            last = cur
+            cur = nt[b][cur]
+        pred_updates[ri[b][last]] = tp[b][last]
+    flat = predicts.view(-1)
+    for k, v in pred_updates.items():
+        flat[k] = v
+    accept_index.copy_(torch.tensor(acc_idx, dtype=accept_index.dtype))
+    accept_token_num.copy_(torch.tensor(acc_num, dtype=accept_token_num.dtype))
+
+
+def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                             batch_size=None):
+    """Torch port of SGLang's ``assign_req_to_token_pool``: write each request's new slots
+    ``out_cache_loc[sum(prev lens) : ...]`` into ``req_to_token[r, start:end]``."""
+    starts, ends = start_offset.tolist(), end_offset.tolist()
+    rows = req_pool_indices.tolist()
+    off = 0
+    for r, a, b in zip(rows, starts, ends):
+        req_to_token[r, a:b] = out_cache_loc[off: off + (b - a)].to(req_to_token.dtype)
+        off += b - a
+
+
+def _wrap_cpu(module, name: str, cpu_impl, tensor_arg: int = 1) -> bool:
+    """Replace ``module.name`` by a function that runs ``cpu_impl`` on CPU tensors, the original elsewhere."""
+    original = getattr(module, name, None)
+    if original is None or getattr(original, "__glance_cpu__", False):
+        return False
+
+    def wrapper(*args, **kwargs):
+        probe = args[tensor_arg] if len(args) > tensor_arg else next(
+            (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        if isinstance(probe, torch.Tensor) and probe.device.type == "cpu":
+            return cpu_impl(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    wrapper.__glance_cpu__ = True
+    wrapper.__wrapped__ = original
+    setattr(module, name, wrapper)
+    return True
+
+
+def install_cpu_ops() -> None:
+    """Point SGLang's speculative helpers at the torch ports above (idempotent; CPU processes only)."""
+    global _installed_ops
+    if _installed_ops:
+        return
+    _installed_ops = True
+    os.environ.setdefault("SGLANG_NATIVE_MOVE_KV_CACHE", "1")
+    patched = []
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.speculative import spec_utils
+
+    for mod in (allocation, spec_utils):
+        if _wrap_cpu(mod, "assign_req_to_token_pool_func", assign_req_to_token_pool):
+            patched.append(f"{mod.__name__}.assign_req_to_token_pool_func")
+    if importlib.util.find_spec("sgl_kernel") is None and "sgl_kernel" not in sys.modules:
+        # SGLang's reconstruct_tree module imports this op from the CUDA-only sgl_kernel at import time (NGRAM):
+        # a stand-in package that holds only the torch port, and nothing that could pass for CUDA kernels.
+        pkg = types.ModuleType("sgl_kernel")
+        sub = types.ModuleType("sgl_kernel.speculative")
+        sub.reconstruct_indices_from_tree_mask = reconstruct_indices_from_tree_mask
+        pkg.speculative = sub
+        pkg.__glance_stub__ = True
+        sys.modules["sgl_kernel"], sys.modules["sgl_kernel.speculative"] = pkg, sub
+        patched.append("reconstruct_indices_from_tree_mask")
+    try:
+        from sglang.srt.speculative import eagle_utils
+
+        _orig_verify = eagle_utils.verify_tree_greedy_func
+
+        def _verify(predicts, accept_index, accept_token_num, candidates, retrieve_index, retrieve_next_token,
+                    retrieve_next_sibling, target_predict, topk=-1):
+            if predicts.device.type != "cpu":
+                return _orig_verify(predicts, accept_index, accept_token_num, candidates, retrieve_index,
+                                    retrieve_next_token, retrieve_next_sibling, target_predict, topk)
+            verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrieve_index,
+                               retrieve_next_token, retrieve_next_sibling, target_predict)
+            return predicts, accept_index, accept_token_num
+
+        eagle_utils.verify_tree_greedy_func = _verify
+        patched.append("verify_tree_greedy")
+    except Exception as exc:  # pragma: no cover
+        logger.warning("glance cpu: verify_tree_greedy not patched: %s", exc)
+    logger.info("glance cpu ops installed: %s", patched)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def _make_backend_class():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    class GlanceCPUAttnBackend(TorchNativeAttnBackend):
+        """``TorchNativeAttnBackend`` plus TARGET_VERIFY (tree-masked verify rows) for CPU serving."""
+
+        def __init__(self, model_runner):
+            super().__init__(model_runner)
+            install_cpu_ops()
+
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            if not forward_batch.forward_mode.is_target_verify():
+                return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+            return self._forward_verify(q, k, v, layer, forward_batch, save_kv_cache)
+
+        def _forward_verify(self, q, k, v, layer, forward_batch, save_kv_cache):
+            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+            if save_kv_cache and k is not None and v is not None:
+                self.token_to_kv_pool.set_kv_buffer(
+                    layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
+            spec = forward_batch.spec_info
+            n = int(spec.draft_token_num)
+            k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+            req_to_token = self.req_to_token_pool.req_to_token
+            hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+            q_ = q.view(-1, hq, d)
+            out = q.new_empty((q_.shape[0], hq * dv))
+            lens = forward_batch.seq_lens.tolist()
+            mask_flat = spec.custom_mask
+            off = 0
+            for b, pre in enumerate(lens):
+                total = pre + n
+                seg = mask_flat[off: off + n * total].view(n, total).bool()
+                off += n * total
+                slots = req_to_token[forward_batch.req_pool_indices[b], :total].long()
+                kk = k_buf[slots].transpose(0, 1)  # [hk, T, d]
+                vv = v_buf[slots].transpose(0, 1)
+                qq = q_[b * n:(b + 1) * n].transpose(0, 1)  # [hq, n, d]
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qq.unsqueeze(0), kk.unsqueeze(0).to(qq.dtype), vv.unsqueeze(0).to(qq.dtype),
+                    attn_mask=seg[None, None], scale=layer.scaling, enable_gqa=hq != kk.shape[0])
+                out[b * n:(b + 1) * n] = o[0].transpose(0, 1).reshape(n, hq * dv)
+            return out
+
+    return GlanceCPUAttnBackend
+
+
+def register_cpu_backend() -> None:
+    """Add ``glance_cpu`` to SGLang's attention-backend choices and registry (idempotent)."""
+    from sglang.srt.layers.attention import attention_registry as reg
+
+    if BACKEND_NAME not in reg.ATTENTION_BACKENDS:
+        def create_glance_cpu_backend(runner):
+            return _make_backend_class()(runner)
+
+        reg.register_attention_backend(BACKEND_NAME)(create_glance_cpu_backend)
+    try:
+        from sglang.srt import server_args as sa
+
+        if BACKEND_NAME not in sa.ATTENTION_BACKEND_CHOICES:
+            sa.add_attention_backend_choices([BACKEND_NAME])
+    except Exception as exc:  # pragma: no cover
+        logger.warning("glance cpu: could not add %s to the attention-backend choices: %s", BACKEND_NAME, exc)
+
+
+def install_kv_pool_patch() -> None:
+    """On a CPU KV pool, skip SGLang's Triton KV-copy warm-up and move KV with torch indexing
+    (``SGLANG_NATIVE_MOVE_KV_CACHE``); this is also where a CPU process installs the torch ops above.
+    Pools on other devices are untouched (idempotent)."""
+    from sglang.srt.mem_cache import memory_pool as mp
+
+    cls = mp.MHATokenToKVPool
+    if getattr(cls._init_kv_copy_and_warmup, "__glance_cpu__", False):
+        return
+    original = cls._init_kv_copy_and_warmup
+
+    def _init_kv_copy_and_warmup(self):
+        if torch.device(self.device).type == "cpu":
+            install_cpu_ops()
+            self.use_native_move_kv_cache = True
+            self._kv_copy_config = None
+            return
+        return original(self)
+
+    _init_kv_copy_and_warmup.__glance_cpu__ = True
+    cls._init_kv_copy_and_warmup = _init_kv_copy_and_warmup

@@ -1,0 +1,69 @@
+"""The verify input GLANCE hands to SGLang's target pass (the data half, as ``ngram_info.py`` is for NGRAM).
+
+A GLANCE tree is an arbitrary tree packed as ``[root] + nodes`` (``N = budget + 1`` rows per request), so its
+verify input has exactly the fields of SGLang's NGRAM verify input: the packed tokens, SGLang's FULL custom mask
+(per request ``N x (prefix + N)``, row-major), positions ``prefix + depth`` (SGLang adds the M-RoPE delta of
+Qwen-VL targets from them), and the first-child / next-sibling links. Subclassing ``NgramVerifyInput`` keeps
+every attention backend that understands an NGRAM tree verify (FlashInfer's custom mask on GPU, the
+``glance_cpu`` backend here) working unchanged, and its ``filter_batch`` / ``merge_batch`` carry the draft
+input (accepted tokens and lengths) across SGLang's batch filtering and merging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+import glance_kernels
+
+
+class GlanceVerifyInput(NgramVerifyInput):
+    """Verify input of one GLANCE step (also the draft input between steps, like NGRAM's)."""
+
+    def __init__(self, *args, depths: torch.Tensor | None = None, parents: torch.Tensor | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.depths = depths
+        self.parents = parents
+
+
+@dataclass
+class VerifyTensors:
+    """What :func:`build_verify_input` derives from a batch of trees (all on the target's device)."""
+
+    spec_info: GlanceVerifyInput
+    input_ids: torch.Tensor  # [bs * N]
+    out_cache_loc: torch.Tensor  # [bs * N]
+    tree_mask: torch.Tensor  # [bs, N, N]
+
+
+def build_verify_input(tree, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
+                       req_pool_indices: torch.Tensor, req_to_token: torch.Tensor) -> VerifyTensors:
+    """The TARGET_VERIFY input for a batch of packed trees (``tree``: a ``DraftTree`` / ``DeviceTree``, [bs, N]).
+
+    ``seq_lens`` [bs]: tokens already in the KV cache per request (the root sits at position ``seq_lens[b]``);
+    the verify rows write their K/V into ``req_to_token[r, seq_lens[b] : seq_lens[b] + N]``, slots the
+    scheduler has reserved for the step.
+    """
+    device = seq_lens.device
+    bs, n = tree.tokens.shape
+    parents = tree.parents.to(device)
+    meta = glance_kernels.tree_meta(parents, seq_lens)  # Triton on CUDA, torch reference elsewhere
+    custom_mask = glance_kernels.full_mask(meta.tree_mask, seq_lens, seq_lens_cpu)
+    cols = seq_lens.long()[:, None] + torch.arange(n, device=device)[None, :]
+    out_cache_loc = req_to_token[req_pool_indices.long()[:, None], cols].reshape(-1).to(torch.int64)
+    tokens = tree.tokens.to(device).reshape(-1)
+    retrieve_index = (torch.arange(bs, device=device)[:, None] * n + torch.arange(n, device=device)[None, :])
+    spec = GlanceVerifyInput(
+        draft_token=tokens,
+        custom_mask=custom_mask,
+        positions=meta.positions.reshape(-1).to(torch.int64),
+        retrieve_index=retrieve_index,
+        retrieve_next_token=meta.first_child,
+        retrieve_next_sibling=meta.next_sibling,
+        draft_token_num=n,
+        depths=tree.depths.to(device),
+        parents=parents,
+    )
+    return VerifyTensors(spec, tokens, out_cache_loc, meta.tree_mask)

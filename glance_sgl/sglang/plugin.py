@@ -1,0 +1,183 @@
+"""Registration of GLANCE with SGLang: the algorithm, its server arguments, the drafter model class, CPU mode.
+
+Server arguments (SGLang's own flags, read the GLANCE way):
+
+==================================  =========================================================================
+``--speculative-algorithm GLANCE``  select GLANCE
+``--speculative-draft-model-path``  the drafter checkpoint directory (``config.json`` with ``model_type``
+                                    ``glance_drafter`` + ``model.safetensors``), required
+``--speculative-num-draft-tokens``  rows verified per request per step: tree budget + 1 (the root);
+                                    default 32 (a 31-node tree, the SGLang default of design §1)
+``--speculative-eagle-topk``        ``branch_k``, the per-offset top-k the tree grows from (default: the
+                                    drafter config's ``branch_k``)
+``--speculative-num-steps``         maximum tree depth, at most ``block_size - 1`` (default ``block_size - 1``;
+                                    the block size is the drafter checkpoint's)
+==================================  =========================================================================
+
+Also forced: ``disable_radix_cache`` (the drafter needs the tap features of every prompt token, which a prefix
+hit would skip), no mixed chunked prefill, no overlap scheduling (the worker is synchronous).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from . import ALGORITHM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_DRAFT_TOKENS = 32  # 31 tree nodes + the root
+MAX_NUM_DRAFT_TOKENS = 256
+
+
+class GlanceArgsError(ValueError):
+    """Bad server arguments for ``--speculative-algorithm GLANCE``."""
+
+
+def read_drafter_config(path: str | Path | None) -> dict[str, Any]:
+    """The drafter checkpoint's config.json, with clear errors for a missing or foreign directory."""
+    if not path:
+        raise GlanceArgsError(
+            "--speculative-algorithm GLANCE needs --speculative-draft-model-path pointing to a GLANCE drafter "
+            "checkpoint (config.json with model_type 'glance_drafter' + model.safetensors)")
+    directory = Path(path)
+    cfg_file = directory / "config.json"
+    if not cfg_file.is_file():
+        raise GlanceArgsError(f"GLANCE drafter checkpoint not found: {cfg_file} does not exist")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise GlanceArgsError(f"GLANCE drafter config {cfg_file} is not valid JSON: {exc}") from exc
+    if data.get("model_type") != "glance_drafter":
+        raise GlanceArgsError(
+            f"{cfg_file} has model_type {data.get('model_type')!r}; a GLANCE drafter has 'glance_drafter'")
+    if not (directory / "model.safetensors").is_file():
+        raise GlanceArgsError(f"GLANCE drafter weights not found: {directory / 'model.safetensors'}")
+    return data
+
+
+def resolve_glance_args(args: Any) -> dict[str, int]:
+    """Validate ``args`` (a ServerArgs or any object with the same fields) and return the GLANCE settings
+    ``{num_draft_tokens, topk, num_steps, block_size, budget}``, defaults filled in. Raises GlanceArgsError."""
+    from glance_sgl.tree import max_tree_size
+
+    cfg = read_drafter_config(getattr(args, "speculative_draft_model_path", None))
+    block = int(cfg.get("block_size", 16))
+    if block < 2:
+        raise GlanceArgsError(f"drafter block_size must be >= 2, got {block}")
+    steps = getattr(args, "speculative_num_steps", None)
+    steps = block - 1 if steps is None else int(steps)
+    if not 1 <= steps <= block - 1:
+        raise GlanceArgsError(
+            f"--speculative-num-steps (maximum tree depth) must be in [1, {block - 1}] for a block size of "
+            f"{block}, got {steps}")
+    topk = getattr(args, "speculative_eagle_topk", None)
+    topk = int(cfg.get("branch_k", 8)) if topk is None else int(topk)
+    if not 1 <= topk <= 64:
+        raise GlanceArgsError(f"--speculative-eagle-topk (branch_k) must be in [1, 64], got {topk}")
+    ntok = getattr(args, "speculative_num_draft_tokens", None)
+    ntok = DEFAULT_NUM_DRAFT_TOKENS if ntok is None else int(ntok)
+    if not 2 <= ntok <= MAX_NUM_DRAFT_TOKENS:
+        raise GlanceArgsError(
+            f"--speculative-num-draft-tokens (tree budget + 1) must be in [2, {MAX_NUM_DRAFT_TOKENS}], got {ntok}")
+    cap = max_tree_size(steps, topk)
+    if ntok - 1 > cap:
+        raise GlanceArgsError(
+            f"--speculative-num-draft-tokens {ntok} asks for a {ntok - 1}-node tree, but depth {steps} with "
+            f"branch_k {topk} allows at most {cap} nodes")
+    device = getattr(args, "device", None)
+    if device is not None and str(device) not in ("cpu", "cuda") and not str(device).startswith("cuda"):
+        raise GlanceArgsError(f"GLANCE runs on 'cuda' or 'cpu' devices, got {device!r}")
+    return {"num_draft_tokens": ntok, "topk": topk, "num_steps": steps, "block_size": block, "budget": ntok - 1}
+
+
+def validate_server_args(server_args: Any) -> None:
+    """SGLang's ``validate_server_args`` hook: reject bad GLANCE arguments at start-up."""
+    resolve_glance_args(server_args)
+
+
+def fill_server_args(server_args: Any) -> None:
+    """SGLang's ``handle_server_args`` hook: fill the speculative fields and force the settings GLANCE needs."""
+    s = resolve_glance_args(server_args)
+    server_args.speculative_num_draft_tokens = s["num_draft_tokens"]
+    server_args.speculative_num_steps = s["num_steps"]
+    server_args.speculative_eagle_topk = s["topk"]
+    server_args.disable_radix_cache = True
+    server_args.enable_mixed_chunk = False
+    if getattr(server_args, "max_running_requests", None) is None:
+        server_args.max_running_requests = 48
+    if not getattr(server_args, "disable_overlap_schedule", True):
+        logger.warning("GLANCE runs synchronously: overlap scheduling is turned off")
+        server_args.disable_overlap_schedule = True
+
+
+def _spec_class():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    class GlanceSpecAlgo(CustomSpecAlgo):
+        """GLANCE for SGLang's scheduler: a tree verify like NGRAM's, a drafter with its own context cache."""
+
+        create_future_map = SpeculativeAlgorithm.create_future_map
+
+        def carries_draft_hidden_states(self) -> bool:
+            return False
+
+        def need_topk(self) -> bool:
+            return False
+
+        def supports_mixed_chunk(self) -> bool:
+            return False
+
+        def has_draft_kv(self) -> bool:
+            # The drafter's context K/V live in the worker's own cache, not in SGLang's KV pool.
+            return False
+
+        def handle_server_args(self, server_args) -> None:
+            fill_server_args(server_args)
+
+    return GlanceSpecAlgo
+
+
+def _worker_factory(server_args):
+    from .glance_worker import GlanceWorker
+
+    return GlanceWorker
+
+
+def register_algorithm() -> None:
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    if get_spec(ALGORITHM) is not None:
+        return
+    SpeculativeAlgorithm.register(
+        ALGORITHM, supports_overlap=False, validate_server_args=validate_server_args, spec_class=_spec_class()
+    )(_worker_factory)
+
+
+def register_model() -> None:
+    from sglang.srt.models.registry import ModelRegistry
+
+    from .drafter_model import EntryClass, register_hf_config
+
+    register_hf_config()
+    for cls in EntryClass:
+        ModelRegistry.models.setdefault(cls.__name__, cls)
+
+
+def register_all() -> None:
+    import warnings
+
+    from . import cpu
+
+    cpu.install_vllm_stub()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        register_algorithm()
+        cpu.register_cpu_backend()
+        cpu.install_kv_pool_patch()
+        register_model()

@@ -1,0 +1,215 @@
+"""Host one ``sglang.Engine`` in its own process and drive it with JSON lines (tests and the benchmark).
+
+SGLang's Engine forks its scheduler and detokenizer; a crash there kills the caller's process tree, so the
+callers (pytest, ``python -m glance_sgl.sglang.bench``) keep it in a child process:
+
+    with EngineProcess(engine_kwargs) as eng:
+        out = eng.generate(requests, concurrent=True)
+
+Each request is ``{"text": prompt with the chat template applied, "image": base64 PNG or None,
+"max_tokens": int, "temperature": float}``; each result has ``output_ids``, ``text`` and SGLang's
+``meta_info`` (``spec_verify_ct``, ``spec_accept_length``, ...). ``cpu_engine_kwargs`` gives the CPU mode's
+engine arguments.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def cpu_engine_kwargs(model: str | Path, drafter: str | Path | None = None, algorithm: str | None = "GLANCE",
+                      **overrides: Any) -> dict[str, Any]:
+    """``sglang.Engine`` arguments for the CPU mode (float32, the ``glance_cpu`` attention backend)."""
+    kw: dict[str, Any] = dict(
+        model_path=str(model), device="cpu", attention_backend="glance_cpu", disable_cuda_graph=True,
+        disable_overlap_schedule=True, dtype="float32", mem_fraction_static=0.3, max_total_tokens=4096,
+        context_length=1024, disable_radix_cache=True, log_level="warning", random_seed=0,
+    )
+    if algorithm == "GLANCE":
+        kw.update(speculative_algorithm="GLANCE", speculative_draft_model_path=str(drafter))
+    elif algorithm == "NGRAM":
+        kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
+    elif algorithm is not None:
+        kw.update(speculative_algorithm=algorithm)
+    kw.update(overrides)
+    return kw
+
+
+def image_b64(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat_prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
+    """The prompt text of ``messages`` with the target's chat template (images as placeholders)."""
+    plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+              [{"type": "image"} if p.get("type") in ("image", "image_url") else p for p in m["content"]]}
+             for m in messages]
+    return tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+
+
+def demo_requests(model_dir: str | Path, n: int, max_tokens: int, tasks: tuple[str, ...] | None = None
+                  ) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
+    """``n`` demo evaluation prompts, round-robin over the tasks: (runner requests, chat messages)."""
+    from transformers import AutoTokenizer
+
+    from glance_sgl.demo.tasks import TASKS, eval_set
+
+    tasks = tasks or TASKS
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    reqs, msgs = [], []
+    i = 0
+    while len(reqs) < n:
+        ex = eval_set(tasks[i % len(tasks)])[i // len(tasks)]
+        m = ex.messages()
+        reqs.append({"text": chat_prompt(tok, m), "image": image_b64(ex.image), "max_tokens": max_tokens,
+                     "temperature": 0.0})
+        msgs.append(m)
+        i += 1
+    return reqs, msgs
+
+
+# ---------------------------------------------------------------------------------------------- child side
+def _serve(engine_kwargs: dict[str, Any]) -> None:
+    # The replies get their own descriptor; fd 1 (inherited by SGLang's processes) goes to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    import sglang as sgl
+
+    t0 = time.perf_counter()
+    llm = sgl.Engine(**engine_kwargs)
+    out.write(json.dumps({"ready": True, "startup_s": time.perf_counter() - t0}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        job = json.loads(line)
+        if job["op"] == "stop":
+            break
+        try:
+            if job["op"] == "generate":
+                reply = _generate(llm, job["requests"], job.get("concurrent", False))
+            elif job["op"] == "info":
+                reply = {"info": _info(llm)}
+            else:
+                reply = {"error": f"unknown op {job['op']!r}"}
+        except Exception as exc:  # reported to the parent, which fails its test
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    llm.shutdown()
+
+
+def _params(r: dict[str, Any]) -> dict[str, Any]:
+    p = {"max_new_tokens": r.get("max_tokens", 32), "temperature": r.get("temperature", 0.0)}
+    if r.get("seed") is not None:
+        p["sampling_seed"] = r["seed"]
+    return p
+
+
+def _generate(llm, requests: list[dict[str, Any]], concurrent: bool) -> dict[str, Any]:
+    def one(res):
+        return {"output_ids": res.get("output_ids"), "text": res.get("text"), "meta_info": res.get("meta_info")}
+
+    t0 = time.perf_counter()
+    results = []
+    if concurrent:
+        images = [r.get("image") for r in requests]
+        outs = llm.generate(prompt=[r["text"] for r in requests], sampling_params=[_params(r) for r in requests],
+                            image_data=images if any(images) else None)
+        results = [one(o) for o in outs]
+    else:
+        for r in requests:
+            results.append(one(llm.generate(prompt=r["text"], sampling_params=_params(r),
+                                            image_data=r.get("image"))))
+    return {"results": results, "wall_s": time.perf_counter() - t0}
+
+
+def _info(llm) -> dict[str, Any]:
+    info = llm.get_server_info()
+    keep = ("max_total_num_tokens", "internal_states", "speculative_algorithm", "attention_backend")
+    return {k: info.get(k) for k in keep if k in info}
+
+
+# ---------------------------------------------------------------------------------------------- parent side
+class EngineProcess:
+    """An ``sglang.Engine`` in a child process (``python -m glance_sgl.sglang.runner``)."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], env: dict[str, str] | None = None, log_path=None,
+                 timeout: float = 300.0) -> None:
+        self.engine_kwargs, self.timeout = engine_kwargs, timeout
+        child_env = dict(os.environ)
+        child_env.setdefault("HF_HUB_OFFLINE", "1")
+        child_env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        child_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        child_env.update(env or {})
+        self.log_path = log_path
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "glance_sgl.sglang.runner", json.dumps(engine_kwargs)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=child_env,
+            start_new_session=True)
+        ready = self._read()
+        self.startup_s = ready.get("startup_s")
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait(timeout=30)
+            tail = Path(self.log_path).read_text()[-4000:] if self.log_path else ""
+            raise RuntimeError(f"SGLang engine process exited ({code}):\n{tail}")
+        return json.loads(line)
+
+    def _call(self, job: dict[str, Any]) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def generate(self, requests: list[dict[str, Any]], concurrent: bool = False) -> dict[str, Any]:
+        return self._call({"op": "generate", "requests": requests, "concurrent": concurrent})
+
+    def info(self) -> dict[str, Any]:
+        return self._call({"op": "info"})["info"]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except Exception:
+                pass
+        if self.proc.poll() is None:
+            import signal
+
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the child's own session: its scheduler too
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    sys.stdout = sys.stderr  # SGLang's prints must not mix with the JSON replies
+    _serve(json.loads(sys.argv[1]))
