@@ -3,58 +3,20 @@
 from __future__ import annotations
 
 import os
-import random
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from glance_sgl.checkpoints import MASK_TOKEN, build_random_target
-from glance_sgl.drafter import GlanceDrafter
+from glance_sgl.checkpoints import build_random_target
 from glance_sgl.engine import GlanceEngine
 from glance_sgl.target import TargetAdapter
-
-ARCHS = ["qwen2_5_vl", "qwen2_vl"]
-IMAGE_SIZES = [(112, 112), (168, 140), (84, 196)]  # (width, height): three sizes, so several token counts
+from glance_testing import ARCHS, random_drafter
 
 torch.set_num_threads(2)
-
-
-def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
-    """A deterministic picture: coloured blocks on noise."""
-    rng = np.random.RandomState(seed)
-    w, h = size
-    arr = rng.randint(0, 256, (h, w, 3), dtype=np.uint8)
-    for _ in range(3):
-        x, y = rng.randint(0, w - 20), rng.randint(0, h - 20)
-        arr[y : y + 20, x : x + 20] = rng.randint(0, 256, 3)
-    return Image.fromarray(arr)
-
-
-WORDS = "what colour is the circle how many shapes read text describe picture chart value left right top".split()
-
-
-def make_prompts(n: int, seed: int = 0) -> list[list[dict]]:
-    """``n`` chat requests: one image (sizes vary), two images, or text only."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))
-        kind = i % 5
-        parts: list[dict] = []
-        if kind in (0, 1, 2):
-            parts.append({"type": "image", "image": make_image(seed * 1000 + i, IMAGE_SIZES[kind])})
-        elif kind == 3:
-            parts += [{"type": "image", "image": make_image(seed * 1000 + i, IMAGE_SIZES[0])},
-                      {"type": "image", "image": make_image(seed * 1000 + i + 500, IMAGE_SIZES[1])}]
-        parts.append({"type": "text", "text": text})
-        out.append([{"role": "user", "content": parts}])
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -66,11 +28,6 @@ def target_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def targets(target_dirs) -> dict[str, TargetAdapter]:
     return {arch: TargetAdapter.load(path) for arch, path in target_dirs.items()}
-
-
-def random_drafter(target: TargetAdapter, seed: int = 0, **overrides) -> GlanceDrafter:
-    mask_id = target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    return GlanceDrafter.for_target(target.text_config, mask_id, seed=seed, **overrides)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import DEVICE, PREFIXES, random_parents
+from kernel_helpers import DEVICE, PREFIXES, random_parents
 
 from glance_kernels.attention import kv_indices, tree_attention_reference
 from glance_sgl.tree import ancestor_mask

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICE, PREFIXES, assert_same, both, random_parents
+from kernel_helpers import DEVICE, PREFIXES, assert_same, both, random_parents
 
 import glance_kernels as gk
 from glance_kernels import reference

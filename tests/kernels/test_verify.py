@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, assert_same, both, greedy_predictions, load_sglang_module, random_parents
+from kernel_helpers import DEVICE, assert_same, both, greedy_predictions, load_sglang_module, random_parents
 
 import glance_kernels as gk
 from glance_sgl.tree import build_tree, topk_per_offset, tree_pointers
