@@ -17,6 +17,8 @@ algorithm (``glance_sgl.drafter`` / ``tree`` / ``verify`` and ``glance_kernels``
 from __future__ import annotations
 
 import logging
+import os
+import time
 import zlib
 from typing import Optional
 
@@ -64,6 +66,23 @@ def sampling_spec(req) -> SamplingSpec:
     return SamplingSpec(temperature, float(getattr(sp, "top_p", 1.0) or 1.0), int(seed))
 
 
+class _Profile:
+    """Per-phase wall times of a decode step, logged when ``GLANCE_SGL_PROFILE=1``."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.t, self.parts = on, time.perf_counter(), []
+
+    def mark(self, name: str) -> None:
+        if self.on:
+            now = time.perf_counter()
+            self.parts.append(f"{name}={1000 * (now - self.t):.1f}ms")
+            self.t = now
+
+    def done(self, bs: int) -> None:
+        if self.on:
+            logger.warning("GLANCE step bs=%d %s", bs, " ".join(self.parts))
+
+
 class GlanceWorker(BaseSpecWorker):
     def __init__(self, server_args: ServerArgs, gpu_id: int, nccl_port: int, target_worker: TpModelWorker,
                  **kwargs):
@@ -92,16 +111,20 @@ class GlanceWorker(BaseSpecWorker):
             raise ValueError(f"GLANCE drafter was built for a {cfg.num_target_layers}-layer target; this target "
                              f"has {n_layers} layers")
         taps = list(cfg.tap_layers)
-        if taps != sorted(set(taps)) or taps[0] < 0 or taps[-1] >= n_layers - 1:
+        if min(taps) < 0 or max(taps) >= n_layers - 1:
             # SGLang captures the input of layer t+1 (= the output of layer t), so the last layer is not tappable.
-            raise ValueError(f"GLANCE tap layers {taps} must be increasing and within [0, {n_layers - 2}]")
+            raise ValueError(f"GLANCE tap layers {taps} must lie within [0, {n_layers - 2}] for this target")
         if not hasattr(target, "set_eagle3_layers_to_capture"):
             raise ValueError(f"{type(target).__name__} cannot capture hidden states (no "
                              "set_eagle3_layers_to_capture); GLANCE needs the target's tap layers")
-        target.set_eagle3_layers_to_capture(taps)
+        captured = sorted(set(taps))  # SGLang captures each layer once, in layer order
+        target.set_eagle3_layers_to_capture(captured)
+        self._tap_order = None if captured == taps else torch.tensor([captured.index(t) for t in taps])
+        self._hidden = int(text_cfg.hidden_size)
         self.block_size = cfg.block_size
         # rid -> (request, drafter context cache)
         self.states: dict[str, tuple[object, DrafterCache]] = {}
+        self._profile = os.environ.get("GLANCE_SGL_PROFILE", "") not in ("", "0")
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s", cfg.block_size,
                     self.budget, self.branch_k, self.max_depth, taps)
 
@@ -145,7 +168,8 @@ class GlanceWorker(BaseSpecWorker):
             batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL)
         logits_output = result.logits_output
         if batch.forward_mode.is_extend() and bs > 0:
-            self._feed_prompt(batch, logits_output.hidden_states)
+            hidden = logits_output.hidden_states
+            self._feed_prompt(batch, None if hidden is None else self._taps(hidden))
             # Keep SGLang's output processing off the tap features (they are not the final hidden states).
             logits_output.hidden_states = None
         predict = result.next_token_ids
@@ -166,6 +190,13 @@ class GlanceWorker(BaseSpecWorker):
                                                accept_tokens=accept_tokens.flatten(), accept_lens=accept_lens),
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
         )
+
+    def _taps(self, packed: torch.Tensor) -> torch.Tensor:
+        """SGLang's packed captures [T, U*H] (unique layers in order) -> the drafter's tap order [T, L*H]."""
+        if self._tap_order is None:
+            return packed
+        t = packed.shape[0]
+        return packed.view(t, -1, self._hidden)[:, self._tap_order.to(packed.device)].reshape(t, -1)
 
     def _feed_prompt(self, batch: ScheduleBatch, taps: torch.Tensor) -> None:
         """Append every extended token's tap features to its request's drafter cache."""
@@ -196,12 +227,14 @@ class GlanceWorker(BaseSpecWorker):
         return glance_kernels.budget_tree(values, ids, roots, self.budget)  # = glance_sgl.tree.build_tree
 
     def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
+        prof = _Profile(self._profile)
         bs = len(batch.reqs)
         n = self.draft_token_num
         missing = [req.rid for req in batch.reqs if req.rid not in self.states]
         if missing:
             raise RuntimeError(f"GLANCE: no drafter context for requests {missing} (prefix cache hit?)")
         tree = self.draft_trees(batch)
+        prof.mark("draft")
         assert tree.tokens.shape[1] == n, (tuple(tree.tokens.shape), n)
         seq_lens = batch.seq_lens
         seq_lens_cpu = [int(x) for x in (batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None
@@ -212,13 +245,15 @@ class GlanceWorker(BaseSpecWorker):
         batch.input_ids = vt.input_ids
         batch.out_cache_loc = vt.out_cache_loc
         batch.spec_info = vt.spec_info
+        prof.mark("verify_input")
 
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
         logits_output = result.logits_output
         logits = logits_output.next_token_logits.view(bs, n, -1)
-        taps = logits_output.hidden_states.view(bs, n, -1)
+        taps = self._taps(logits_output.hidden_states).view(bs, n, -1)
         logits_output.hidden_states = None
+        prof.mark("target")
 
         specs = [sampling_spec(req) for req in batch.reqs]
         next_index = torch.tensor([len(req.output_ids) for req in batch.reqs])
@@ -226,6 +261,7 @@ class GlanceWorker(BaseSpecWorker):
                            next_index, specs)
         accepted = walk.accept_lens  # drafted nodes accepted, bonus excluded
         committed = walk.committed(tree.tokens.cpu())
+        prof.mark("walk")
 
         # Accepted rows' K/V to the front of each verify window (root first), in every layer's K and V buffer.
         kv = self.token_to_kv_pool_allocator.get_kvcache()
@@ -240,6 +276,7 @@ class GlanceWorker(BaseSpecWorker):
             self.drafter.extend_context(self.states[req.rid][1], taps[b, path][None].to(self.drafter.fc.weight.dtype),
                                         torch.tensor([k], device=self.device))
 
+        prof.mark("kv+drafter_extend")
         accept_lens = (accepted + 1).to(torch.int32)
         accept_tokens = torch.zeros(bs, n, dtype=torch.int32)
         for b, toks in enumerate(committed):
@@ -250,6 +287,7 @@ class GlanceWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
+        prof.done(bs)
         next_draft_input = GlanceVerifyInput(draft_token_num=n, new_seq_lens=new_seq_lens,
                                              accept_tokens=accept_tokens, accept_lens=accept_lens)
         return GenerationBatchResult(

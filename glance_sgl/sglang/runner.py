@@ -143,12 +143,14 @@ class EngineProcess:
     """An ``sglang.Engine`` in a child process (``python -m glance_sgl.sglang.runner``)."""
 
     def __init__(self, engine_kwargs: dict[str, Any], env: dict[str, str] | None = None, log_path=None,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, wait: bool = True) -> None:
         self.engine_kwargs, self.timeout = engine_kwargs, timeout
         child_env = dict(os.environ)
         child_env.setdefault("HF_HUB_OFFLINE", "1")
         child_env.setdefault("TRANSFORMERS_OFFLINE", "1")
         child_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if engine_kwargs.get("device") == "cpu":
+            child_env.setdefault("OMP_NUM_THREADS", "1")  # see launch.launch_sglang
         child_env.update(env or {})
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
@@ -156,8 +158,15 @@ class EngineProcess:
             [sys.executable, "-m", "glance_sgl.sglang.runner", json.dumps(engine_kwargs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=child_env,
             start_new_session=True)
-        ready = self._read()
-        self.startup_s = ready.get("startup_s")
+        self.startup_s = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "EngineProcess":
+        """Block until the child's engine has started (raises with the log's tail if it died)."""
+        if self.startup_s is None:
+            self.startup_s = self._read().get("startup_s")
+        return self
 
     def _read(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()

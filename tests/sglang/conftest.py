@@ -1,0 +1,45 @@
+"""Fixtures of the SGLang plugin tests: the checkpoint pair under test and SGLang engines in child processes.
+
+The pair is the bundled demo (``glance_sgl/demo/assets/{target,drafter}``) when it is installed, else
+``GLANCE_SGL_TEST_CKPT`` (a directory holding ``target/`` and ``drafter/``), else a tiny random pair built here
+(``glance tiny``; parity holds, accept lengths are near zero).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sglang = pytest.importorskip("sglang")
+
+
+def _pair_ready(target: Path, drafter: Path) -> bool:
+    return (target / "config.json").is_file() and (drafter / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path, str]:
+    """(target dir, drafter dir, kind) with kind "demo", "env" or "tiny"."""
+    from glance_sgl.demo.paths import bundled_drafter, bundled_target
+
+    if _pair_ready(bundled_target(), bundled_drafter()):
+        return bundled_target(), bundled_drafter(), "demo"
+    env = os.environ.get("GLANCE_SGL_TEST_CKPT")
+    if env and _pair_ready(Path(env) / "target", Path(env) / "drafter"):
+        return Path(env) / "target", Path(env) / "drafter", "env"
+    from glance_sgl.checkpoints import MASK_TOKEN, build_random_target
+    from glance_sgl.drafter import GlanceDrafter
+    from glance_sgl.target import TargetAdapter
+
+    out = tmp_path_factory.mktemp("tiny_pair")
+    target_dir = build_random_target(out / "target", arch="qwen2_5_vl", seed=0)
+    target = TargetAdapter.load(target_dir)
+    mask_id = target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    GlanceDrafter.for_target(target.text_config, mask_id, seed=0).save_pretrained(out / "drafter")
+    return target_dir, out / "drafter", "tiny"

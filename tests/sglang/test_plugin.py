@@ -1,0 +1,262 @@
+"""Plugin units (no engine): registration through SGLang's load_plugins(), server-args filling and rejection,
+the verify input against SGLang's own tree helpers, the CPU ops, the drafter model class, the launcher."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from glance_sgl.drafter import GlanceDrafter, draft_logprobs
+from glance_sgl.tree import build_tree, topk_per_offset
+from glance_sgl.verify import greedy_walk
+
+sglang = pytest.importorskip("sglang")
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    """This test process is a CPU process: SGLang's NGRAM module needs the CPU mode's stand-in ops to import."""
+    from glance_sgl.sglang.cpu import install_cpu_ops
+
+    install_cpu_ops()
+
+
+@pytest.fixture(scope="module")
+def plugins_loaded():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    return True
+
+
+def test_registration_through_load_plugins(plugins_loaded):
+    from importlib.metadata import entry_points
+
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    import glance_sgl.sglang as plugin
+
+    assert any(ep.value == "glance_sgl.sglang:register" for ep in entry_points(group="sglang.srt.plugins"))
+    algo = SpeculativeAlgorithm.from_string("GLANCE")
+    assert algo is get_spec("glance") and algo.is_speculative() and not algo.is_ngram()
+    # what SGLang's default CustomSpecAlgo lacks
+    assert algo.carries_draft_hidden_states() is False and algo.need_topk() is False
+    assert callable(algo.create_future_map)
+    from glance_sgl.sglang.glance_worker import GlanceWorker
+
+    assert algo.factory(None) is GlanceWorker
+    assert "glance_cpu" in ATTENTION_BACKENDS and "glance_cpu" in ATTENTION_BACKEND_CHOICES
+    assert "GlanceDrafterForSGLang" in ModelRegistry.models
+    plugin.register()  # idempotent
+    plugin._registered = False
+    plugin.register()  # even when the module flag is reset: nothing registers twice
+    assert get_spec("GLANCE") is algo
+
+
+def _drafter_dir(tmp_path, block=16, branch_k=8):
+    from glance_sgl.config import GlanceConfig
+
+    cfg = GlanceConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, num_hidden_layers=1, vocab_size=50, num_target_layers=4, tap_layers=[1],
+                       block_size=block, branch_k=branch_k, mask_token_id=3)
+    GlanceDrafter(cfg).save_pretrained(tmp_path / "drafter")
+    return tmp_path / "drafter"
+
+
+def _args(path, **kw):
+    base = dict(speculative_draft_model_path=str(path), speculative_num_draft_tokens=None,
+                speculative_num_steps=None, speculative_eagle_topk=None, device="cpu", disable_radix_cache=False,
+                enable_mixed_chunk=True, max_running_requests=None, disable_overlap_schedule=True)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_server_args_filled(tmp_path, plugins_loaded):
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    path = _drafter_dir(tmp_path, block=16, branch_k=8)
+    args = _args(path)
+    SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
+    assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (32, 15, 8)
+    assert args.disable_radix_cache is True and args.enable_mixed_chunk is False
+    assert args.max_running_requests == 48
+    args = _args(path, speculative_num_draft_tokens=8, speculative_eagle_topk=2, speculative_num_steps=5)
+    SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
+    assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (8, 5, 2)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(speculative_draft_model_path=None), "needs --speculative-draft-model-path"),
+    (dict(speculative_num_steps=16), "must be in \\[1, 15\\]"),
+    (dict(speculative_num_steps=0), "must be in \\[1, 15\\]"),
+    (dict(speculative_eagle_topk=0), "branch_k"),
+    (dict(speculative_num_draft_tokens=1), "tree budget"),
+    (dict(speculative_num_draft_tokens=10, speculative_eagle_topk=1, speculative_num_steps=4), "at most 4 nodes"),
+    (dict(device="npu"), "'cuda' or 'cpu'"),
+])
+def test_bad_server_args_rejected(tmp_path, kw, message):
+    from glance_sgl.sglang.plugin import GlanceArgsError, validate_server_args
+
+    path = _drafter_dir(tmp_path)
+    with pytest.raises(GlanceArgsError, match=message):
+        validate_server_args(_args(path, **kw))
+
+
+def test_bad_drafter_directory_rejected(tmp_path):
+    from glance_sgl.sglang.plugin import GlanceArgsError, validate_server_args
+
+    with pytest.raises(GlanceArgsError, match="not found"):
+        validate_server_args(_args(tmp_path / "missing"))
+    path = _drafter_dir(tmp_path)
+    data = json.loads((path / "config.json").read_text())
+    data["model_type"] = "qwen2"
+    (path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(GlanceArgsError, match="glance_drafter"):
+        validate_server_args(_args(path))
+    other = tmp_path / "noweights"
+    other.mkdir()
+    (tmp_path / "x").mkdir()
+    shutil.copy(_drafter_dir(tmp_path / "x") / "config.json", other / "config.json")
+    with pytest.raises(GlanceArgsError, match="weights not found"):
+        validate_server_args(_args(other))
+
+
+def _random_trees(bs=3, depth=6, k=3, budget=11, vocab=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(bs, depth, vocab, generator=g)
+    values, ids = topk_per_offset(draft_logprobs(logits), k)
+    roots = torch.randint(0, vocab, (bs,), generator=g)
+    return build_tree(values, ids, roots, budget)
+
+
+def test_verify_input_equals_sglang_helpers(cpu_ops):
+    """Positions, links and the FULL mask of a batch of trees, against SGLang's NGRAM helpers on the same mask."""
+    from sglang.srt.speculative.ngram_worker import _derive_tree_links
+
+    from glance_sgl.sglang.glance_info import build_verify_input
+
+    tree = _random_trees()
+    bs, n = tree.tokens.shape
+    seq_lens = torch.tensor([5, 9, 7])
+    req_to_token = torch.arange(4 * 64).view(4, 64)
+    pool_idx = torch.tensor([2, 0, 3])
+    vt = build_verify_input(tree, seq_lens, seq_lens.tolist(), pool_idx, req_to_token)
+    spec = vt.spec_info
+    mask = tree.ancestor_mask().numpy()  # [bs, n, n], row i sees j
+    # SGLang: retrive_next_token / retrive_next_sibling from the tree mask
+    nt, ns = _derive_tree_links(mask.reshape(-1), bs, n)
+    assert torch.equal(spec.retrieve_next_token.cpu(), nt) and torch.equal(spec.retrieve_next_sibling.cpu(), ns)
+    # SGLang's positions: seq_len + number of strict ancestors
+    anc = mask & (np.arange(n)[None, None, :] < np.arange(n)[None, :, None])
+    assert spec.positions.view(bs, n).tolist() == (anc.sum(-1) + seq_lens.numpy()[:, None]).tolist()
+    # SGLang's FULL mask (ngram_worker): per request cat(ones[n, seq_len], tree_mask[n, n]) flattened
+    full = torch.cat([torch.cat([torch.ones(n, int(L), dtype=torch.bool), torch.from_numpy(mask[b])], 1).flatten()
+                      for b, L in enumerate(seq_lens.tolist())])
+    assert torch.equal(spec.custom_mask.bool(), full)
+    # out_cache_loc: the slots right after each prefix (assign_extend_cache_locs)
+    want = torch.cat([req_to_token[r, L:L + n] for r, L in zip(pool_idx.tolist(), seq_lens.tolist())])
+    assert torch.equal(vt.out_cache_loc, want)
+    assert torch.equal(vt.input_ids, tree.tokens.reshape(-1))
+    assert spec.draft_token_num == n and spec.retrieve_index.view(-1).tolist() == list(range(bs * n))
+
+
+def test_cpu_reconstruct_matches_sglang_links(cpu_ops):
+    from sglang.srt.speculative.ngram_worker import _derive_tree_links
+
+    from glance_sgl.sglang.cpu import reconstruct_indices_from_tree_mask
+
+    tree = _random_trees(bs=4, budget=15, seed=3)
+    bs, n = tree.tokens.shape
+    mask = tree.ancestor_mask()
+    pos, idx = torch.empty(bs * n, dtype=torch.long), torch.empty(bs, n, dtype=torch.long)
+    nt, ns = torch.empty(bs, n, dtype=torch.long), torch.empty(bs, n, dtype=torch.long)
+    reconstruct_indices_from_tree_mask(mask.flatten(), torch.tensor([3, 4, 5, 6]), pos, idx, nt, ns, bs, n)
+    want_nt, want_ns = _derive_tree_links(mask.numpy().reshape(-1), bs, n)
+    assert torch.equal(nt, want_nt) and torch.equal(ns, want_ns)
+    assert torch.equal(pos.view(bs, n), tree.depths + torch.tensor([3, 4, 5, 6])[:, None])
+
+
+def test_cpu_verify_tree_greedy_equals_walk():
+    from glance_sgl.sglang.cpu import verify_tree_greedy
+
+    tree = _random_trees(bs=4, budget=15, seed=5)
+    bs, n = tree.tokens.shape
+    first, sib = tree.pointers()
+    g = torch.Generator().manual_seed(1)
+    # target choices that follow the tree for a while
+    choices = torch.randint(0, 20, (bs, n), generator=g)
+    for b in range(bs):
+        for r in range(n):
+            c = int(first[b, r])
+            if c >= 0 and torch.rand(1, generator=g) < 0.8:
+                choices[b, r] = tree.tokens[b, c]
+    walk = greedy_walk(tree.tokens, tree.parents, choices)
+    width = n
+    predicts = torch.zeros(bs * n, dtype=torch.long)
+    acc_idx = torch.full((bs, width), -1, dtype=torch.long)
+    acc_num = torch.zeros(bs, dtype=torch.long)
+    ri = torch.arange(bs * n).view(bs, n)
+    verify_tree_greedy(predicts, acc_idx, acc_num, tree.tokens, ri, first, sib, choices)
+    assert torch.equal(acc_num, walk.accept_lens)
+    for b in range(bs):
+        k = int(walk.accept_lens[b]) + 1
+        assert (acc_idx[b, :k] - b * n).tolist() == walk.accepted_rows[b, :k].tolist()
+        assert int(predicts[int(acc_idx[b, k - 1])]) == int(walk.bonus[b])
+
+
+def test_drafter_model_class_loads_the_engine_checkpoint(tmp_path):
+    from glance_sgl.sglang.drafter_model import GlanceDrafterForSGLang
+
+    path = _drafter_dir(tmp_path)
+    ours = GlanceDrafterForSGLang.from_checkpoint(path)
+    ref = GlanceDrafter.from_pretrained(path)
+    for (ka, a), (kb, b) in zip(sorted(ours.drafter.state_dict().items()), sorted(ref.state_dict().items())):
+        assert ka == kb and torch.equal(a, b)
+
+    class Head(torch.nn.Module):  # SGLang's ParallelLMHead: weight only, vocabulary padded to a multiple of 64
+        def __init__(self, w):
+            super().__init__()
+            self.weight = torch.nn.Parameter(w)
+
+    vocab, h = ref.config.vocab_size, ref.config.hidden_size
+    emb = torch.randn(64, h)
+    emb[vocab:] = 0
+    target = SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding.from_pretrained(emb),
+                             lm_head=Head(emb.clone()))
+    bound = ours.bind_target(target)
+    ref.bind_target(torch.nn.Embedding.from_pretrained(emb[:vocab]), torch.nn.Linear(h, vocab, bias=False))
+    ref._shared["lm_head"].weight.data.copy_(emb[:vocab])
+    cache_a, cache_b = bound.new_cache(1), ref.new_cache(1)
+    taps = torch.randn(1, 5, h)
+    bound.extend_context(cache_a, taps, torch.tensor([5]))
+    ref.extend_context(cache_b, taps, torch.tensor([5]))
+    la, lb = bound.draft_block(cache_a, torch.tensor([4])), ref.draft_block(cache_b, torch.tensor([4]))
+    assert la.shape[-1] == vocab and torch.allclose(la, lb, atol=1e-6)
+
+
+def test_hf_config_registered_for_sglang_get_config(tmp_path, plugins_loaded):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(_drafter_dir(tmp_path)))
+    assert cfg.model_type == "glance_drafter" and cfg.architectures == ["GlanceDrafterForSGLang"]
+
+
+def test_launch_command():
+    from glance_sgl.sglang.launch import server_command
+
+    cmd = server_command("/m", "/d", port=31234, cpu=True, extra_args=["--log-level", "warning"])
+    joined = " ".join(cmd)
+    assert "-m sglang.launch_server --model-path /m" in joined
+    assert "--speculative-algorithm GLANCE --speculative-draft-model-path /d" in joined
+    assert "--device cpu --attention-backend glance_cpu" in joined and "--port 31234" in joined
+    assert cmd[-2:] == ["--log-level", "warning"]
+    assert "--speculative-algorithm" not in server_command("/m", None)
