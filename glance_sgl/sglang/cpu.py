@@ -115,6 +115,27 @@ def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_o
         off += b - a
 
 
+def assign_extend_cache_locs(req_pool_indices, req_to_token, start_offset, end_offset, batch_size,
+                             draft_token_num, device=None):
+    """Torch port of ``assign_extend_cache_locs_func``: the slots ``req_to_token[r, start:end]``, flattened."""
+    cols = start_offset.long()[:, None] + torch.arange(draft_token_num, device=req_to_token.device)[None, :]
+    return req_to_token[req_pool_indices.long()[:, None], cols].reshape(-1).to(torch.int64)
+
+
+def fill_front_out_cache_loc(num_front, out_cache_loc, front_out_cache_loc):
+    """Torch port: the first ``num_front[i]`` slots of each request's verify window, packed."""
+    window = out_cache_loc.view(num_front.numel(), -1)
+    vals = torch.cat([window[i, : int(k)] for i, k in enumerate(num_front.tolist())])
+    front_out_cache_loc[: vals.numel()] = vals.to(front_out_cache_loc.dtype)
+
+
+def fill_accept_out_cache_loc(accept_index, out_cache_loc, accept_out_cache_loc, size=None):
+    """Torch port: ``out_cache_loc`` at the accepted (non -1) indices, packed in order."""
+    idx = accept_index.reshape(-1)
+    idx = idx[idx >= 0].long()
+    accept_out_cache_loc[: idx.numel()] = out_cache_loc[idx].to(accept_out_cache_loc.dtype)
+
+
 def _wrap_cpu(module, name: str, cpu_impl, tensor_arg: int = 1) -> bool:
     """Replace ``module.name`` by a function that runs ``cpu_impl`` on CPU tensors, the original elsewhere."""
     original = getattr(module, name, None)
@@ -134,6 +155,25 @@ def _wrap_cpu(module, name: str, cpu_impl, tensor_arg: int = 1) -> bool:
     return True
 
 
+def install_sgl_kernel_stub() -> bool:
+    """On a machine with neither CUDA nor ``sgl_kernel``: a stand-in ``sgl_kernel.speculative`` holding only the
+    torch port of ``reconstruct_indices_from_tree_mask``, which SGLang's NGRAM modules import at import time.
+    Nothing else is provided, so nothing can mistake it for the CUDA kernels (``from sgl_kernel import x``
+    still raises ImportError). Returns whether it is installed."""
+    if "sgl_kernel" in sys.modules:
+        return bool(getattr(sys.modules["sgl_kernel"], "__glance_stub__", False))
+    if importlib.util.find_spec("sgl_kernel") is not None or torch.cuda.is_available():
+        return False
+    pkg = types.ModuleType("sgl_kernel")
+    sub = types.ModuleType("sgl_kernel.speculative")
+    sub.reconstruct_indices_from_tree_mask = reconstruct_indices_from_tree_mask
+    pkg.speculative = sub
+    pkg.__path__ = []  # a package, so that the submodule import resolves through sys.modules
+    pkg.__glance_stub__ = True
+    sys.modules["sgl_kernel"], sys.modules["sgl_kernel.speculative"] = pkg, sub
+    return True
+
+
 def install_cpu_ops() -> None:
     """Point SGLang's speculative helpers at the torch ports above (idempotent; CPU processes only)."""
     global _installed_ops
@@ -148,16 +188,24 @@ def install_cpu_ops() -> None:
     for mod in (allocation, spec_utils):
         if _wrap_cpu(mod, "assign_req_to_token_pool_func", assign_req_to_token_pool):
             patched.append(f"{mod.__name__}.assign_req_to_token_pool_func")
-    if importlib.util.find_spec("sgl_kernel") is None and "sgl_kernel" not in sys.modules:
-        # SGLang's reconstruct_tree module imports this op from the CUDA-only sgl_kernel at import time (NGRAM):
-        # a stand-in package that holds only the torch port, and nothing that could pass for CUDA kernels.
-        pkg = types.ModuleType("sgl_kernel")
-        sub = types.ModuleType("sgl_kernel.speculative")
-        sub.reconstruct_indices_from_tree_mask = reconstruct_indices_from_tree_mask
-        pkg.speculative = sub
-        pkg.__glance_stub__ = True
-        sys.modules["sgl_kernel"], sys.modules["sgl_kernel.speculative"] = pkg, sub
+    from sglang.kernels.ops.speculative import cache_locs, eagle
+
+    for mod in (cache_locs, spec_utils):
+        if _wrap_cpu(mod, "fill_front_out_cache_loc_func", fill_front_out_cache_loc, tensor_arg=0):
+            patched.append(f"{mod.__name__}.fill_front_out_cache_loc_func")
+    for mod in (eagle, spec_utils):
+        if _wrap_cpu(mod, "fill_accept_out_cache_loc_func", fill_accept_out_cache_loc, tensor_arg=0):
+            patched.append(f"{mod.__name__}.fill_accept_out_cache_loc_func")
+    if install_sgl_kernel_stub():
         patched.append("reconstruct_indices_from_tree_mask")
+    try:
+        from sglang.srt.speculative import ngram_worker
+
+        for mod in (cache_locs, ngram_worker):
+            if _wrap_cpu(mod, "assign_extend_cache_locs_func", assign_extend_cache_locs, tensor_arg=0):
+                patched.append(f"{mod.__name__}.assign_extend_cache_locs_func")
+    except Exception as exc:  # pragma: no cover - depends on the SGLang build
+        logger.warning("glance cpu: assign_extend_cache_locs not patched: %s", exc)
     try:
         from sglang.srt.speculative import eagle_utils
 

@@ -175,6 +175,7 @@ def register_all() -> None:
     from . import cpu
 
     cpu.install_vllm_stub()
+    cpu.install_sgl_kernel_stub()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         register_algorithm()

@@ -1,0 +1,112 @@
+"""``sglang.launch_server --speculative-algorithm GLANCE`` on loopback (launched by ``launch_sglang``): one
+OpenAI chat request with an image straight to SGLang, and the gateway's ``sglang`` backend returning our
+``glance`` metrics from it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from glance_sgl.sglang.launch import launch_sglang
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _image_url() -> str:
+    from glance_sgl.demo.tasks import eval_set
+
+    buf = io.BytesIO()
+    eval_set("caption")[0].image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _messages():
+    from glance_sgl.demo.tasks import eval_set
+
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_url()}},
+                                         {"type": "text", "text": eval_set("caption")[0].prompt}]}]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    target, drafter, _ = checkpoints
+    log = tmp_path_factory.mktemp("http") / "sglang.log"
+    srv = launch_sglang(target, drafter, port=_free_port(), cpu=True, log_path=log,
+                        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"},
+                        extra_args=["--log-level", "warning", "--random-seed", "0"], timeout=400)
+    yield srv
+    srv.stop()
+    assert not srv.alive()
+
+
+def test_openai_chat_with_image_through_sglang(server):
+    body = {"model": "default", "messages": _messages(), "max_tokens": 16, "temperature": 0,
+            "return_meta_info": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    usage = out["usage"]
+    assert usage["completion_tokens"] >= 1 and usage["prompt_tokens"] > 20  # the image's placeholder tokens
+    info = out["choices"][0].get("meta_info") or out.get("meta_info") or {}
+    print("sglang openai:", usage, {k: v for k, v in info.items() if k.startswith("spec")})
+    if usage["completion_tokens"] > 1:
+        assert info.get("spec_verify_ct", 0) >= 1, out
+
+
+class _Gateway:
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "gateway did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def test_gateway_sglang_backend_returns_glance_metrics(server, checkpoints):
+    server_mod = pytest.importorskip("glance_server.sglang")
+    from transformers import AutoProcessor
+
+    from glance_server.app import create_app
+    from glance_server.config import ServerConfig
+
+    target, _, _ = checkpoints
+    processor = AutoProcessor.from_pretrained(str(target))
+    config = ServerConfig(served_model_name="glance-sglang", api_key=None, calibrate=False, upstream_url=server.url,
+                          request_timeout_s=300)
+    gw = _Gateway(create_app(config, server_mod.SGLangBackend(server.url, processor, config), processor))
+    try:
+        body = {"model": "glance-sglang", "messages": _messages(), "max_tokens": 16, "temperature": 0}
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        g = out["glance"]
+        print("gateway glance:", g)
+        assert g["backend"] == "sglang"
+        n = out["usage"]["completion_tokens"]
+        if n > 1:
+            assert g["rounds"] >= 1 and g["tau"] == pytest.approx((n - 1) / g["rounds"])
+            assert sum(g["acceptance_histogram"]) == g["rounds"]
+    finally:
+        gw.stop()
