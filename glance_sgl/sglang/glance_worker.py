@@ -33,7 +33,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 import glance_kernels
 from glance_sgl.drafter import DrafterCache, GlanceDrafter, draft_logprobs
-from glance_sgl.tree import topk_per_offset
+from glance_sgl.tree import build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, verify_tree
 
 from .drafter_model import GlanceDrafterForSGLang
@@ -224,7 +224,9 @@ class GlanceWorker(BaseSpecWorker):
         caches = [self.states[req.rid][1] for req in batch.reqs]
         logits = self.drafter.draft_block(stack_caches(caches), roots)[:, : self.max_depth]
         values, ids = topk_per_offset(draft_logprobs(logits), self.branch_k)
-        return glance_kernels.budget_tree(values, ids, roots, self.budget)  # = glance_sgl.tree.build_tree
+        if roots.is_cuda:  # the same tree built on device (Triton), no host round trip
+            return glance_kernels.budget_tree(values, ids, roots, self.budget)
+        return build_tree(values, ids, roots, self.budget)  # on the host the heap is the fastest
 
     def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         prof = _Profile(self._profile)

@@ -15,7 +15,9 @@ Server arguments (SGLang's own flags, read the GLANCE way):
 ==================================  =========================================================================
 
 Also forced: ``disable_radix_cache`` (the drafter needs the tap features of every prompt token, which a prefix
-hit would skip), no mixed chunked prefill, no overlap scheduling (the worker is synchronous).
+hit would skip), no mixed chunked prefill, no overlap scheduling (the worker is synchronous), and
+``disable_cuda_graph`` (capture of the verify pass through SGLang's dummy-verify-input hooks is not implemented
+yet; a warning says so when CUDA graphs were on).
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ def fill_server_args(server_args: Any) -> None:
     server_args.enable_mixed_chunk = False
     if getattr(server_args, "max_running_requests", None) is None:
         server_args.max_running_requests = 48
+    if not getattr(server_args, "disable_cuda_graph", True):
+        # The verify pass has no CUDA-graph capture yet (SGLang's dummy-verify-input hooks are not implemented):
+        # GLANCE runs its verify eagerly; the target's plain decode graphs are not used by a speculative batch.
+        logger.warning("GLANCE: CUDA graphs are turned off (--disable-cuda-graph); verify-pass capture is not "
+                       "implemented yet")
+        server_args.disable_cuda_graph = True
     if not getattr(server_args, "disable_overlap_schedule", True):
         logger.warning("GLANCE runs synchronously: overlap scheduling is turned off")
         server_args.disable_overlap_schedule = True

@@ -108,3 +108,11 @@ def test_no_kv_leak_and_engine_alive(run):
     log = (run["logs"] / "glance.log").read_text()
     assert "Mem Leak" not in log and "memory leak" not in log.lower()
     assert "Traceback" not in log
+
+
+def test_sampling_is_seeded_and_runs(run):
+    """T > 0: the worker's lossless sampling (glance_sgl.verify, Gumbel keyed by seed and output index)."""
+    req = {**run["requests"][0], "temperature": 0.8, "seed": 1234}
+    a, b = run["glance"].generate([req, req])["results"]
+    assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) >= 1
+    assert a["meta_info"]["completion_tokens"] <= MAX_TOKENS

@@ -89,6 +89,9 @@ def test_server_args_filled(tmp_path, plugins_loaded):
     assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (32, 15, 8)
     assert args.disable_radix_cache is True and args.enable_mixed_chunk is False
     assert args.max_running_requests == 48
+    args = _args(path, disable_cuda_graph=False, disable_overlap_schedule=False)
+    SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
+    assert args.disable_cuda_graph is True and args.disable_overlap_schedule is True
     args = _args(path, speculative_num_draft_tokens=8, speculative_eagle_topk=2, speculative_num_steps=5)
     SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
     assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (8, 5, 2)
