@@ -34,7 +34,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 import glance_kernels
 from glance_sgl.drafter import DrafterCache, GlanceDrafter, draft_logprobs
 from glance_sgl.tree import build_tree, topk_per_offset
-from glance_sgl.verify import SamplingSpec, verify_tree
+from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
 from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceVerifyInput, build_verify_input
@@ -173,23 +173,53 @@ class GlanceWorker(BaseSpecWorker):
             # Keep SGLang's output processing off the tap features (they are not the final hidden states).
             logits_output.hidden_states = None
         predict = result.next_token_ids
+        if predict is not None and bs > 0 and batch.forward_mode.is_extend():
+            predict = self._first_tokens(batch, logits_output, predict)
         new_seq_lens = batch.seq_lens.clone()
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
         if predict is not None and bs > 0:
             accept_tokens[:, 0] = predict
+        return self._result(result, logits_output, predict, accept_tokens.flatten(), accept_lens, new_seq_lens,
+                            on_publish)
+
+    def _result(self, result, logits_output, next_token_ids, accept_tokens, accept_lens, new_seq_lens, on_publish
+                ) -> GenerationBatchResult:
+        """The step's result; the draft input it carries (accepted tokens, lengths) follows SGLang's batch
+        filtering and merging, like NGRAM's."""
         if on_publish is not None:
             on_publish(new_seq_lens)
         return GenerationBatchResult(
             logits_output=logits_output,
-            next_token_ids=predict,
+            next_token_ids=next_token_ids,
             can_run_cuda_graph=result.can_run_cuda_graph,
             accept_lens=accept_lens,
             new_seq_lens=new_seq_lens,
             next_draft_input=GlanceVerifyInput(draft_token_num=self.draft_token_num, new_seq_lens=new_seq_lens,
-                                               accept_tokens=accept_tokens.flatten(), accept_lens=accept_lens),
+                                               accept_tokens=accept_tokens, accept_lens=accept_lens),
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
         )
+
+    def _first_tokens(self, batch: ScheduleBatch, logits_output, predict: torch.Tensor) -> torch.Tensor:
+        """At T > 0 the prompt's next token is drawn like every later one (glance_sgl.verify: Gumbel noise keyed
+        by the request's seed and the output index), so that a seeded request's whole output is reproducible
+        and equals the embedded engine's. Greedy requests keep SGLang's own choice."""
+        specs = [sampling_spec(req) for req in batch.reqs]
+        if all(s.greedy for s in specs):
+            return predict
+        rows = logits_output.next_token_logits.float().cpu()
+        out = predict.clone()
+        for b, (req, spec) in enumerate(zip(batch.reqs, specs)):
+            if spec.greedy:
+                continue
+            row = rows[b]
+            if float(row.min()) >= 0.0 and abs(float(row.sum()) - 1.0) < 1e-3:
+                # SGLang's sampler leaves softmax(logits / T) in place: its log is the tempered distribution.
+                row, spec = row.clamp_min(1e-30).log(), SamplingSpec(1.0, spec.top_p, spec.seed)
+            choice = target_choices(row[None, None], torch.zeros(1, 1, dtype=torch.long),
+                                    torch.tensor([len(req.output_ids)]), [spec])
+            out[b] = int(choice[0, 0])
+        return out
 
     def _taps(self, packed: torch.Tensor) -> torch.Tensor:
         """SGLang's packed captures [T, U*H] (unique layers in order) -> the drafter's tap order [T, L*H]."""
@@ -286,18 +316,6 @@ class GlanceWorker(BaseSpecWorker):
         accept_tokens = accept_tokens.to(self.device).flatten()
         accept_lens = accept_lens.to(self.device)
         new_seq_lens = seq_lens + accept_lens
-        if on_publish is not None:
-            on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
         prof.done(bs)
-        next_draft_input = GlanceVerifyInput(draft_token_num=n, new_seq_lens=new_seq_lens,
-                                             accept_tokens=accept_tokens, accept_lens=accept_lens)
-        return GenerationBatchResult(
-            logits_output=logits_output,
-            next_token_ids=accept_tokens,
-            can_run_cuda_graph=result.can_run_cuda_graph,
-            accept_lens=accept_lens,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=next_draft_input,
-            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
-        )
+        return self._result(result, logits_output, accept_tokens, accept_tokens, accept_lens, new_seq_lens, on_publish)

@@ -44,6 +44,8 @@ def run(checkpoints, tmp_path_factory):
             gl = engine.generate(m, params, mode="glance")
             rounds += gl.metrics.rounds
             committed += sum(gl.metrics.committed_per_round)
+        sampled = engine.generate(messages[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1234),
+                                  mode="glance").token_ids
         t_embedded = time.perf_counter() - t0
         glance.wait_ready()
         plain.wait_ready()
@@ -56,7 +58,7 @@ def run(checkpoints, tmp_path_factory):
             concurrent += glance.generate(requests[i:i + 4], concurrent=True)["results"]
         print(f"embedded {t_embedded:.1f}s, engines ready {t_ready:.1f}s, all {time.perf_counter() - t0:.1f}s")
         yield {"kind": kind, "requests": requests, "ar": ar, "tau": committed / max(rounds, 1), "batch1": batch1,
-               "plain": plain_out, "concurrent": concurrent, "glance": glance, "logs": logs}
+               "plain": plain_out, "concurrent": concurrent, "glance": glance, "logs": logs, "sampled": sampled}
     finally:
         torch.set_num_threads(threads)
         glance.close()
@@ -110,9 +112,10 @@ def test_no_kv_leak_and_engine_alive(run):
     assert "Traceback" not in log
 
 
-def test_sampling_is_seeded_and_runs(run):
-    """T > 0: the worker's lossless sampling (glance_sgl.verify, Gumbel keyed by seed and output index)."""
+def test_sampling_is_seeded_and_equals_embedded(run):
+    """T > 0: the worker's lossless sampling (glance_sgl.verify, Gumbel keyed by seed and output index) gives
+    the embedded engine's sampled output for the same seed, token for token."""
     req = {**run["requests"][0], "temperature": 0.8, "seed": 1234}
     a, b = run["glance"].generate([req, req])["results"]
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) >= 1
-    assert a["meta_info"]["completion_tokens"] <= MAX_TOKENS
+    assert a["output_ids"] == run["sampled"]
