@@ -24,7 +24,8 @@ from .runner import EngineProcess, cpu_engine_kwargs, demo_requests
 METHODS = ("none", "ngram", "glance")
 
 
-def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_tokens: int) -> dict[str, Any]:
+def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_tokens: int,
+                  glance_tokens: int | None = None) -> dict[str, Any]:
     algo = {"none": None, "ngram": "NGRAM", "glance": "GLANCE"}[method]
     if device == "cpu":
         kw = cpu_engine_kwargs(model, drafter, algorithm=algo)
@@ -37,6 +38,8 @@ def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_to
             kw.update(speculative_algorithm="NGRAM")
     if algo == "NGRAM":
         kw["speculative_num_draft_tokens"] = ngram_tokens
+    if algo == "GLANCE" and glance_tokens:
+        kw["speculative_num_draft_tokens"] = glance_tokens
     return kw
 
 
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of none,ngram,glance")
     p.add_argument("--ngram-draft-tokens", type=int, default=8)
+    p.add_argument("--glance-draft-tokens", type=int, default=None,
+                   help="GLANCE rows verified per step (tree budget + 1; default 32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--log-dir", type=Path, help="keep each engine's log here")
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for m in methods:
         print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
-        rows.append(run_method(m, engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens),
+        rows.append(run_method(m, engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
+                                             args.glance_draft_tokens),
                                requests, args.log_dir))
     base = next((r for r in rows if r["method"] == "none"), None)
     for r in rows:
