@@ -52,8 +52,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         upstream_key = os.environ.get(args.upstream_api_key_env)
         if not upstream_key:
             _fail(f"--upstream-api-key-env {args.upstream_api_key_env}: the variable is unset or empty")
-    if args.backend == "sglang" and not args.upstream:
-        _fail("--backend sglang needs --upstream URL (the SGLang server, e.g. http://127.0.0.1:30000)")
+    if args.upstream and args.backend != "sglang":
+        _fail("--upstream is for --backend sglang")
     if args.allow_remote_images and not args.remote_image_host:
         _fail("--allow-remote-images needs at least one --remote-image-host")
     return ServerConfig(
@@ -84,6 +84,9 @@ def build_app(args: argparse.Namespace):
     if args.backend == "sglang":
         from .sglang import SGLangBackend
 
+        if not args.upstream:  # no URL: launch SGLang with the GLANCE plugin as a managed subprocess
+            args.upstream = launch_managed_sglang(args, model, drafter)
+            config.upstream_url = args.upstream
         processor = AutoProcessor.from_pretrained(model)
         backend = SGLangBackend(args.upstream, processor, config)
         return create_app(config, backend, processor), f"sglang upstream {args.upstream} (prompts: {model})"
@@ -93,6 +96,27 @@ def build_app(args: argparse.Namespace):
                                budget=args.budget, branch_k=args.branch_k)
     backend = EmbeddedBackend(engine, config)
     return create_app(config, backend, engine.target.processor), f"embedded {model} + {drafter or 'no drafter'}"
+
+
+def launch_managed_sglang(args: argparse.Namespace, model: Path, drafter: Path | None) -> str:
+    """Start ``sglang.launch_server`` (GLANCE when there is a drafter) on loopback, stopped when we exit."""
+    import atexit
+    import shlex
+
+    import torch
+
+    from glance_sgl.sglang.launch import launch_sglang
+
+    cpu = args.sglang_device == "cpu" or (args.sglang_device == "auto" and not torch.cuda.is_available())
+    logging.getLogger("glance_server").info("launching SGLang (%s) on 127.0.0.1:%d", "CPU mode" if cpu else "GPU",
+                                            args.sglang_port)
+    try:
+        handle = launch_sglang(model, drafter, port=args.sglang_port, cpu=cpu,
+                               extra_args=shlex.split(args.sglang_args or ""), timeout=args.sglang_timeout)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        _fail(f"could not start SGLang: {exc}")
+    atexit.register(handle.stop)
+    return handle.url
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -112,7 +136,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--backend", choices=["embedded", "sglang"], default="embedded")
-    p.add_argument("--upstream", help="SGLang server URL for --backend sglang")
+    p.add_argument("--upstream", help="SGLang server URL for --backend sglang (without it, the gateway launches "
+                   "SGLang with the GLANCE plugin itself)")
+    p.add_argument("--sglang-port", type=int, default=30000, help="port of a launched SGLang server")
+    p.add_argument("--sglang-device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="launched SGLang: CPU mode or GPU (auto: GPU when CUDA is available)")
+    p.add_argument("--sglang-args", default="", help="extra arguments for a launched sglang.launch_server")
+    p.add_argument("--sglang-timeout", type=float, default=900.0, help="seconds to wait for a launched SGLang")
     p.add_argument("--upstream-api-key-env", metavar="VAR", help="bearer token for the upstream server")
     p.add_argument("--model", help="Hugging Face model directory (default: the bundled demo); with --backend "
                    "sglang it supplies the chat template")

@@ -37,7 +37,7 @@ def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["serve", "--model", "/nonexistent/model"], "config.json missing"),
-    (["serve", "--backend", "sglang"], "needs --upstream"),
+    (["serve", "--upstream", "http://127.0.0.1:9"], "--upstream is for --backend sglang"),
     (["serve", "--api-key-env", "GLANCE_TEST_UNSET_VARIABLE"], "unset or empty"),
     (["serve", "--allow-remote-images"], "--remote-image-host"),
 ])
