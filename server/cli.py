@@ -84,11 +84,13 @@ def build_app(args: argparse.Namespace):
     if args.backend == "sglang":
         from .sglang import SGLangBackend
 
+        managed = None
         if not args.upstream:  # no URL: launch SGLang with the GLANCE plugin as a managed subprocess
-            args.upstream = launch_managed_sglang(args, model, drafter)
-            config.upstream_url = args.upstream
+            managed = launch_managed_sglang(args, model, drafter)
+            args.upstream = config.upstream_url = managed.url
         processor = AutoProcessor.from_pretrained(model)
         backend = SGLangBackend(args.upstream, processor, config)
+        backend.managed_upstream = managed
         return create_app(config, backend, processor), f"sglang upstream {args.upstream} (prompts: {model})"
     from .embedded import EmbeddedBackend
 
@@ -98,8 +100,9 @@ def build_app(args: argparse.Namespace):
     return create_app(config, backend, engine.target.processor), f"embedded {model} + {drafter or 'no drafter'}"
 
 
-def launch_managed_sglang(args: argparse.Namespace, model: Path, drafter: Path | None) -> str:
-    """Start ``sglang.launch_server`` (GLANCE when there is a drafter) on loopback, stopped when we exit."""
+def launch_managed_sglang(args: argparse.Namespace, model: Path, drafter: Path | None):
+    """Start ``sglang.launch_server`` (GLANCE when there is a drafter) on loopback; the gateway's shutdown stops
+    it (and atexit, for exits that skip the shutdown). Returns the server handle."""
     import atexit
     import shlex
 
@@ -116,7 +119,7 @@ def launch_managed_sglang(args: argparse.Namespace, model: Path, drafter: Path |
     except (RuntimeError, TimeoutError, OSError) as exc:
         _fail(f"could not start SGLang: {exc}")
     atexit.register(handle.stop)
-    return handle.url
+    return handle
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -154,6 +154,7 @@ class SGLangBackend(Backend):
         self._queued = 0
         self._in_flight = 0
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "not checked")
+        self.managed_upstream: Any = None  # an SGLang server this gateway launched: stopped with the gateway
 
     async def start(self) -> None:
         n = self.config.upstream_concurrency
@@ -168,6 +169,9 @@ class SGLangBackend(Backend):
     async def stop(self) -> None:
         if self.client is not None:
             await self.client.aclose()
+        if self.managed_upstream is not None:  # here, not atexit: uvicorn re-raises SIGTERM after shutdown
+            await asyncio.to_thread(self.managed_upstream.stop)
+            self.managed_upstream = None
 
     async def check_ready(self) -> tuple[bool, str]:
         """Upstream ``GET /health`` (cached for a second)."""
