@@ -33,7 +33,7 @@ class TargetRecipe:
     intermediate_size: int = 512
     vision_hidden: int = 128
     vision_depth: int = 3
-    steps: int = 1600
+    steps: int = 3000
     batch_size: int = 16
     lr: float = 2e-3
     warmup: int = 100
@@ -100,16 +100,17 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
         num_heads=recipe.num_heads, num_kv_heads=recipe.num_kv_heads, intermediate_size=recipe.intermediate_size,
         vision_hidden=recipe.vision_hidden, vision_depth=recipe.vision_depth, max_position_embeddings=2048,
     )
-    model = Qwen2_5_VLForConditionalGeneration(config).float().train()
+    resume = (ckpt / STATE_FILE).is_file()
+    if resume:  # through from_pretrained: the saved key layout is not the in-memory one
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).train()
+    else:
+        model = Qwen2_5_VLForConditionalGeneration(config).float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(f"target:{recipe.seed}")
     counters = {t: 0 for t in TASKS}
     start = 0
-    if (ckpt / STATE_FILE).is_file():
-        from safetensors.torch import load_file
-
+    if resume:
         state = torch.load(ckpt / STATE_FILE, weights_only=False)
-        model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
         opt.load_state_dict(state["optimizer"])
         rng.setstate(state["rng"])
         counters, start = state["counters"], int(state["step"])
