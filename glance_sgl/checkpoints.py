@@ -212,3 +212,19 @@ def build_random_target(
     torch.manual_seed(seed)
     model = model_class(arch)(config).to(torch.float32).eval()
     return save_target(model, tokenizer, out_dir)
+
+
+def build_random_pair(out_dir: str | Path, arch: Arch = "qwen2_5_vl", seed: int = 0,
+                      **drafter_overrides) -> tuple[Path, Path]:
+    """A tiny random target (``OUT/target``) and a random GLANCE drafter for it (``OUT/drafter``): a smoke-test
+    pair whose answers are noise. ``drafter_overrides`` go to ``GlanceConfig.for_target``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .drafter import GlanceDrafter
+
+    out = Path(out_dir)
+    target = build_random_target(out / "target", arch=arch, seed=seed)
+    mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(MASK_TOKEN)
+    text_config = AutoConfig.from_pretrained(target).get_text_config()
+    drafter = GlanceDrafter.for_target(text_config, mask_id, seed=seed, **drafter_overrides)
+    return target, drafter.save_pretrained(out / "drafter")

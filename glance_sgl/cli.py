@@ -110,16 +110,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_tiny(args: argparse.Namespace) -> int:
     """Build a tiny random target and drafter: a smoke-test checkpoint pair for trying the engine."""
-    from .checkpoints import MASK_TOKEN, build_random_target
-    from .drafter import GlanceDrafter
-    from .target import TargetAdapter
+    from .checkpoints import build_random_pair
 
-    out = Path(args.out)
-    target_dir = build_random_target(out / "target", arch=args.arch, seed=args.seed)
-    target = TargetAdapter.load(target_dir)
-    mask_id = target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    GlanceDrafter.for_target(target.text_config, mask_id, seed=args.seed).save_pretrained(out / "drafter")
-    print(f"target:  {target_dir}\ndrafter: {out / 'drafter'}")
+    target, drafter = build_random_pair(args.out, arch=args.arch, seed=args.seed)
+    print(f"target:  {target}\ndrafter: {drafter}")
     return 0
 
 

@@ -13,20 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))  # th
 
 from server_helpers import API_KEY, start_embedded  # noqa: E402
 
-from glance_sgl.checkpoints import MASK_TOKEN, build_random_target  # noqa: E402
-from glance_sgl.drafter import GlanceDrafter  # noqa: E402
+from glance_sgl.checkpoints import build_random_pair  # noqa: E402
 from glance_sgl.engine import GlanceEngine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def load_engine(tmp_path_factory) -> GlanceEngine:
-    root = tmp_path_factory.mktemp("loadtest_ckpt")
-    target_dir = build_random_target(root / "target", arch="qwen2_5_vl", seed=11)
-    engine = GlanceEngine.load(target_dir, None)
-    mask_id = engine.target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    GlanceDrafter.for_target(engine.target.text_config, mask_id, seed=11, num_hidden_layers=1,
-                             block_size=8).save_pretrained(root / "drafter")
-    return GlanceEngine.load(target_dir, root / "drafter", budget=7)
+    target_dir, drafter_dir = build_random_pair(tmp_path_factory.mktemp("loadtest_ckpt"), seed=11,
+                                                num_hidden_layers=1, block_size=8)
+    return GlanceEngine.load(target_dir, drafter_dir, budget=7)
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from glance_sgl.checkpoints import MASK_TOKEN, build_random_target
-from glance_sgl.drafter import GlanceDrafter
+from glance_sgl.checkpoints import build_random_pair
 from glance_sgl.engine import GlanceEngine
 from glance_server.app import create_app
 from glance_server.sglang import SGLangBackend
@@ -17,13 +16,7 @@ from server_helpers import API_KEY, ServerThread, base_config, start_embedded
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("serve_ckpt")
-    target_dir = build_random_target(root / "target", arch="qwen2_5_vl", seed=7)
-    engine = GlanceEngine.load(target_dir, None)
-    mask_id = engine.target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    GlanceDrafter.for_target(engine.target.text_config, mask_id, seed=7, num_hidden_layers=1,
-                             block_size=8).save_pretrained(root / "drafter")
-    return target_dir, root / "drafter"
+    return build_random_pair(tmp_path_factory.mktemp("serve_ckpt"), seed=7, num_hidden_layers=1, block_size=8)
 
 
 @pytest.fixture(scope="session")

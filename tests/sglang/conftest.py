@@ -33,13 +33,7 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path, str]:
     env = os.environ.get("GLANCE_SGL_TEST_CKPT")
     if env and _pair_ready(Path(env) / "target", Path(env) / "drafter"):
         return Path(env) / "target", Path(env) / "drafter", "env"
-    from glance_sgl.checkpoints import MASK_TOKEN, build_random_target
-    from glance_sgl.drafter import GlanceDrafter
-    from glance_sgl.target import TargetAdapter
+    from glance_sgl.checkpoints import build_random_pair
 
-    out = tmp_path_factory.mktemp("tiny_pair")
-    target_dir = build_random_target(out / "target", arch="qwen2_5_vl", seed=0)
-    target = TargetAdapter.load(target_dir)
-    mask_id = target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    GlanceDrafter.for_target(target.text_config, mask_id, seed=0).save_pretrained(out / "drafter")
-    return target_dir, out / "drafter", "tiny"
+    target_dir, drafter_dir = build_random_pair(tmp_path_factory.mktemp("tiny_pair"), seed=0)
+    return target_dir, drafter_dir, "tiny"
