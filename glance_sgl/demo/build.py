@@ -26,7 +26,7 @@ DISTILL_PER_TASK = 300
 class DemoRecipe:
     target: TargetRecipe
     distill_per_task: int = DISTILL_PER_TASK
-    drafter_steps: int = 1500
+    drafter_steps: int = 1000
     drafter_layers: int = 2
     block_size: int = 16
     budget: int = 31
