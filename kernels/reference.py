@@ -111,16 +111,22 @@ def _full_bits(tree_mask: torch.Tensor, prefix: torch.Tensor, b: torch.Tensor, p
     return valid & ((c < prefix[b]) | in_tree)
 
 
+def _segments(num_rows: int, prefix_lens: Sequence[int], packed: bool, device: torch.device):
+    """Every flat offset of the FULL layout (bits, or bytes when ``packed``) with its request, its offset inside
+    that request's segment, and the requests' prefix lengths: (request [L], local offset [L], prefix [bs])."""
+    indptr = mask_indptr(num_rows, prefix_lens, packed=packed)
+    flat = torch.arange(indptr[-1], device=device)
+    b = _segment_of(flat, indptr, device)
+    start = torch.tensor(indptr[:-1], dtype=torch.long, device=device)
+    prefix = torch.tensor([int(x) for x in prefix_lens], dtype=torch.long, device=device)
+    return b, flat - start[b], prefix
+
+
 def full_mask(tree_mask: torch.Tensor, prefix_lens: Sequence[int]) -> torch.Tensor:
     """SGLang's flat bool FULL mask for TARGET_VERIFY: per request ``N x (prefix + N)`` (the prefix all True,
     then the tree mask), row-major, concatenated over requests. ``tree_mask`` bool [bs, N, N] -> [sum]."""
-    dev = tree_mask.device
-    indptr = mask_indptr(tree_mask.shape[1], prefix_lens, packed=False)
-    flat = torch.arange(indptr[-1], device=dev)
-    b = _segment_of(flat, indptr, dev)
-    start = torch.tensor(indptr[:-1], dtype=torch.long, device=dev)
-    prefix = torch.tensor([int(x) for x in prefix_lens], dtype=torch.long, device=dev)
-    return _full_bits(tree_mask.bool(), prefix, b, flat - start[b])
+    b, local, prefix = _segments(tree_mask.shape[1], prefix_lens, False, tree_mask.device)
+    return _full_bits(tree_mask.bool(), prefix, b, local)
 
 
 def packbits_little(bits: torch.Tensor) -> torch.Tensor:
@@ -146,12 +152,8 @@ def packed_mask(tree_mask: torch.Tensor, prefix_lens: Sequence[int]) -> torch.Te
     """FlashInfer's packed custom mask: each request's FULL segment packed little-endian on its own.
     ``tree_mask`` bool [bs, N, N] -> uint8 [sum_b ceil(N (prefix_b + N) / 8)]."""
     dev = tree_mask.device
-    indptr = mask_indptr(tree_mask.shape[1], prefix_lens, packed=True)
-    byte = torch.arange(indptr[-1], device=dev)
-    b = _segment_of(byte, indptr, dev)
-    start = torch.tensor(indptr[:-1], dtype=torch.long, device=dev)
-    prefix = torch.tensor([int(x) for x in prefix_lens], dtype=torch.long, device=dev)
-    p = (byte - start[b])[:, None] * 8 + torch.arange(8, device=dev)
+    b, local_byte, prefix = _segments(tree_mask.shape[1], prefix_lens, True, dev)
+    p = local_byte[:, None] * 8 + torch.arange(8, device=dev)
     bits = _full_bits(tree_mask.bool(), prefix, b[:, None].expand_as(p), p)
     return packbits_little(bits.flatten())
 
