@@ -94,31 +94,46 @@ class _Output:
         self._stop_cut: int | None = None
 
     def add(self, tokens: list[int]) -> int:
-        """Append tokens until a stop condition; returns how many were kept."""
-        kept = 0
+        """Append tokens until a stop condition; returns how many were kept.
+
+        Stop strings are searched once per call in the newly decoded tail (not once per token over the whole
+        text), and only on a hit is the token that completes the stop string looked up.
+        """
+        before_tokens, before_chars = len(self.token_ids), len(self.text)
         for tok in tokens:
             if self.finish_reason is not None:
                 break
             self.token_ids.append(tok)
-            kept += 1
             if tok in self.eos_ids:
                 self.finish_reason = "stop"
-            elif self.params.stop and (cut := self._stop_position()) is not None:
-                self._stop_cut, self.finish_reason = cut, "stop"
             elif len(self.token_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"
-        self.refresh_text()
-        return kept
-
-    def refresh_text(self) -> None:
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self.params.stop and self._stop_cut is None:
+            # earlier text was already searched; back off so a stop string straddling the old end (or a
+            # completed partial UTF-8 character there) is still found
+            start = max(0, before_chars - max(map(len, self.params.stop)) - 8)
+            if self._first_stop(text, start) is not None:
+                text = self._truncate_at_stop(before_tokens)
         self.text = text[: self._stop_cut] if self._stop_cut is not None else text
+        return len(self.token_ids) - before_tokens
 
-    def _stop_position(self) -> int | None:
-        """Where the earliest stop string starts in the decoded text, or None."""
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+    def _first_stop(self, text: str, start: int = 0) -> int | None:
+        """Where the earliest stop string starts in ``text`` at or after ``start``, or None."""
+        hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
         return min(hits) if hits else None
+
+    def _truncate_at_stop(self, first_new: int) -> str:
+        """Drop the tokens after the one that completes a stop string (searched from token ``first_new``);
+        sets the finish reason and the text cut. Returns the decoded text of the kept tokens."""
+        for n in range(first_new + 1, len(self.token_ids) + 1):
+            text = self.tokenizer.decode(self.token_ids[:n], skip_special_tokens=True)
+            cut = self._first_stop(text)
+            if cut is not None:
+                del self.token_ids[n:]
+                self._stop_cut, self.finish_reason = cut, "stop"
+                return text
+        raise AssertionError("stop string found in the text but in no token prefix")
 
     def delta(self, new_tokens: list[int]) -> StreamDelta:
         """Text not yet emitted, holding back a possible stop-string prefix or a partial UTF-8 character."""

@@ -49,6 +49,28 @@ def test_stop_string_cuts_text(engine, messages):
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 40])
+def test_stop_strings_found_whatever_the_round_sizes(engine, messages, chunk):
+    """Stop strings are searched per round in the new tail: a stop string straddling a round boundary is still
+    found, and the kept tokens end exactly at the token completing it, for any split of the tokens into rounds."""
+    from glance_sgl.engine import _Output
+
+    full = engine.generate(messages, SamplingParams(max_tokens=40))
+    tok = engine.target.tokenizer
+    for lo, hi in ((3, 9), (len(full.text) // 2, len(full.text) // 2 + 4), (len(full.text) - 3, len(full.text))):
+        stop = full.text[lo:hi]
+        if not stop.strip():
+            continue
+        out = _Output(tok, set(), SamplingParams(max_tokens=40, stop=["<never>", stop]))
+        for i in range(0, len(full.token_ids), chunk):
+            out.add(full.token_ids[i : i + chunk])
+        first = full.text.find(stop)
+        assert out.finish_reason == "stop" and out.text == full.text[:first]
+        need = next(n for n in range(1, len(full.token_ids) + 1)
+                    if stop in tok.decode(full.token_ids[:n], skip_special_tokens=True))
+        assert out.token_ids == full.token_ids[:need]
+
+
 def test_eos_stops(engine, messages):
     full = engine.generate(messages, SamplingParams(max_tokens=24))
     eos = full.token_ids[3]
