@@ -20,7 +20,7 @@ from ..checkpoints import save_target, tiny_target_config, train_tokenizer
 from .tasks import GROUNDED, TASKS, Example, eval_set, train_example
 
 STATE_FILE = "trainer_state.pt"
-TASK_WEIGHTS = {"caption": 1.0, "text": 1.3, "chart": 1.5, "document": 1.5, "open": 0.8}
+TASK_WEIGHTS = {"caption": 1.0, "text": 1.5, "chart": 1.5, "document": 1.7, "open": 0.8}
 
 
 @dataclass
@@ -33,10 +33,11 @@ class TargetRecipe:
     intermediate_size: int = 512
     vision_hidden: int = 128
     vision_depth: int = 3
-    steps: int = 3000
+    vision_full_attention: bool = True  # relate a bar to its label, an item to its quantity, in every block
+    steps: int = 8000
     batch_size: int = 16
     lr: float = 2e-3
-    warmup: int = 100
+    warmup: int = 200
     weight_decay: float = 0.01
     seed: int = 0
     max_pixels: int = 168 * 168
@@ -99,6 +100,7 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
         "qwen2_5_vl", tokenizer, hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
         num_heads=recipe.num_heads, num_kv_heads=recipe.num_kv_heads, intermediate_size=recipe.intermediate_size,
         vision_hidden=recipe.vision_hidden, vision_depth=recipe.vision_depth, max_position_embeddings=2048,
+        vision_full_attention=recipe.vision_full_attention,
     )
     resume = (ckpt / STATE_FILE).is_file()
     if resume:  # through from_pretrained: the saved key layout is not the in-memory one

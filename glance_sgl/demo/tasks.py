@@ -103,15 +103,16 @@ def make_caption(rng: random.Random) -> Example:
 
 # ---------------------------------------------------------------------------------------------- text
 def make_text(rng: random.Random) -> Example:
-    words = rng.sample(SIGN_WORDS, rng.randint(1, 2))
+    """A sign with a word and a number (gate, platform, room...): 36 x 98 contents, so the evaluation signs
+    leave plenty of training signs (single words alone would be used up by the evaluation set)."""
+    word, number = rng.choice(SIGN_WORDS), rng.randint(2, 99)
     bg = rng.choice([(250, 250, 250), (255, 240, 200), (220, 235, 255)])
     img = Image.new("RGB", (168, 112), (90, 90, 90))
     draw = ImageDraw.Draw(img)
     draw.rectangle((6, 10, 161, 101), fill=bg)
-    ys = [56] if len(words) == 1 else [36, 76]
-    for word, y in zip(words, ys):
-        _centered_text(draw, (84, y), word, 26, (20, 20, 20))
-    said = " ".join(words)
+    _centered_text(draw, (84, 36), word, 26, (20, 20, 20))
+    _centered_text(draw, (84, 76), str(number), 26, (20, 20, 20))
+    said = f"{word} {number}"
     prompt = rng.choice(["What does the sign say?", "Read the text in the image.", "What is written on the sign?"])
     answer = f'The sign says "{said}".'
     return Example("text", img, prompt, answer, key=f"text|{said}")
@@ -153,7 +154,7 @@ def make_chart(rng: random.Random) -> Example:
 
 # ---------------------------------------------------------------------------------------------- document
 def make_document(rng: random.Random) -> Example:
-    n = rng.randint(2, 4)
+    n = rng.randint(2, 3)
     items = rng.sample(ITEMS, n)
     qty = [rng.randint(1, 9) for _ in range(n)]
     img = Image.new("RGB", (168, 168), (255, 255, 255))
@@ -172,38 +173,54 @@ def make_document(rng: random.Random) -> Example:
 
 
 # ---------------------------------------------------------------------------------------------- open
+# Open-ended answers are drawn from many independent choices (who, where, what, how it went, how it ended; moods,
+# likes, plans), so the same prompt has thousands of good answers: nothing in the image pins them down, and the
+# VLM's next-token distribution is wide wherever a choice is made.
 CHARACTERS = ("a little fox", "an old sailor", "a shy robot", "a young witch", "a clever crow", "a tired baker",
-              "a brave mouse", "a lonely giant", "a curious child", "a silver cat")
+              "a brave mouse", "a lonely giant", "a curious child", "a silver cat", "a kind farmer", "a small dragon",
+              "a wise owl", "a lost puppy", "a gentle bear", "a quiet painter")
 PLACES = ("near the river", "in a quiet town", "under the hill", "by the sea", "in the dark forest",
-          "on a tall mountain", "behind the old mill", "in a busy market")
+          "on a tall mountain", "behind the old mill", "in a busy market", "at the edge of the lake",
+          "inside a hollow tree", "on a windy beach", "in a snowy village")
 FINDS = ("a glowing lantern", "a lost letter", "a tiny door", "a golden key", "a singing shell", "a strange map",
-         "a broken clock", "a warm blanket")
+         "a broken clock", "a warm blanket", "a paper boat", "a blue feather", "an empty jar", "a secret garden")
+MIDDLES = ("The wind was cold", "The sun was low", "It was very late", "Nobody else was there", "The moon was full",
+           "Rain began to fall", "The bells were ringing", "Birds sang in the trees")
+ACTIONS = ("carried it home", "showed it to a friend", "kept it a secret", "followed where it led",
+           "asked the village elder", "waited until morning", "wrote a song about it", "gave it away")
 ENDINGS = ("and everyone smiled.", "and the night felt kind.", "and nothing was the same again.",
-           "and they became friends.", "and the rain finally stopped.", "and it was enough.")
-MOODS = ("happy", "calm", "hopeful", "sleepy", "curious", "thankful", "cheerful", "quiet")
-THINGS = ("tea", "music", "long walks", "old books", "warm bread", "the sea", "rainy days", "small gardens")
+           "and they became friends.", "and the rain finally stopped.", "and it was enough.",
+           "and the town had a party.", "and the stars came out.")
+MOODS = ("happy", "calm", "hopeful", "sleepy", "curious", "thankful", "cheerful", "quiet", "busy", "excited")
+THINGS = ("tea", "music", "long walks", "old books", "warm bread", "the sea", "rainy days", "small gardens",
+          "board games", "cold mornings", "bright colors", "funny movies", "mountain air", "fresh fruit")
+PLANS = ("cook something new", "call an old friend", "read by the window", "plant a few seeds", "go for a swim",
+         "learn a new song", "clean the kitchen", "visit the market")
+STORY_PROMPTS = ("Tell me a story.", "Write a short story.", "Make up a tale.", "Tell me a bedtime story.",
+                 "Invent a little story.")
+CHAT_PROMPTS = ("How are you today?", "Tell me about yourself.", "Say something nice.", "What are your plans?",
+                "Chat with me for a moment.")
 
 
 def _story(rng: random.Random) -> str:
     who, where, what = rng.choice(CHARACTERS), rng.choice(PLACES), rng.choice(FINDS)
-    end = rng.choice(ENDINGS)
-    middle = rng.choice(["The wind was cold", "The sun was low", "It was very late", "Nobody else was there"])
-    return f"Once upon a time, {who} found {what} {where}. {middle}, {end}"
+    opening = rng.choice(["Once upon a time", "Long ago", "One morning", "Last winter"])
+    return (f"{opening}, {who} found {what} {where}. {rng.choice(MIDDLES)}, so the {who.split(' ', 1)[1]} "
+            f"{rng.choice(ACTIONS)}, {rng.choice(ENDINGS)}")
 
 
 def _chat(rng: random.Random) -> str:
-    return (f"I feel {rng.choice(MOODS)} today. I like {rng.choice(THINGS)} and {rng.choice(THINGS)}. "
-            f"Maybe we can talk about {rng.choice(THINGS)} later.")
+    likes = rng.sample(THINGS, 3)
+    return (f"I feel {rng.choice(MOODS)} today. I like {likes[0]} and {likes[1]}. "
+            f"Later I want to {rng.choice(PLANS)}, and maybe we can talk about {likes[2]}.")
 
 
 def make_open(rng: random.Random) -> Example:
     img = make_caption(rng).image  # an image that does not determine the answer
     if rng.random() < 0.5:
-        prompt = rng.choice(["Tell me a story.", "Write a short story.", "Make up a tale."])
-        answer = _story(rng)
+        prompt, answer = rng.choice(STORY_PROMPTS), _story(rng)
     else:
-        prompt = rng.choice(["How are you today?", "Tell me about yourself.", "Say something nice."])
-        answer = _chat(rng)
+        prompt, answer = rng.choice(CHAT_PROMPTS), _chat(rng)
     return Example("open", img, prompt, answer, key=f"open|{prompt}|{answer}")
 
 
