@@ -63,3 +63,27 @@ def test_bench_report_schema(engines):
     assert report["tasks"]["caption"]["grounded"] and not report["tasks"]["open"]["grounded"]
     assert "geomean_decode_speedup" in report and "holds" in report["law"]
     assert "geomean" in format_table(report)
+
+
+def test_sweep_compares_tree_configs_with_the_chain(engines):
+    from glance_sgl.demo.bench import format_sweep, run_sweep
+
+    engine = engines["qwen2_5_vl"]
+    before = engine.budget, engine.branch_k
+    sweep = run_sweep(engine, [(3, 1), (9, 2)], limit=1, max_tokens=8, tasks=("caption",), progress=False)
+    assert (engine.budget, engine.branch_k) == before  # the engine's own settings come back
+    assert [(r["budget"], r["branch_k"]) for r in sweep["configs"]] == [(3, 1), (9, 2)]
+    for row in sweep["configs"]:
+        s = row["tasks"]["caption"]
+        assert s["tau"] >= 1 and s["decode_speedup"] > 0 and s["chain_decode_speedup"] > 0
+        assert row["tree_beats_chain"] == (["caption"] if s["decode_speedup"] > s["chain_decode_speedup"] else [])
+    assert "budget   9 branch_k 2" in format_sweep(sweep)
+
+
+@pytest.mark.parametrize("spec, message", [("15", "BUDGETxBRANCH_K"), ("15x0", "15x0"), ("ax2,15x2", "ax2")])
+def test_sweep_spec_errors_name_the_item(spec, message):
+    from glance_sgl.demo.bench import parse_sweep
+
+    with pytest.raises(ValueError, match=message):
+        parse_sweep(spec)
+    assert parse_sweep("15x2, 31X4") == [(15, 2), (31, 4)]

@@ -175,6 +175,57 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
     return out
 
 
+def parse_sweep(spec: str) -> list[tuple[int, int]]:
+    """``"15x2,31x4"`` -> ``[(15, 2), (31, 4)]`` (tree budget x branch_k); ValueError naming the bad item."""
+    configs = []
+    for item in spec.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"bad sweep item {item.strip()!r}: expected BUDGETxBRANCH_K, e.g. 15x2")
+        configs.append((int(parts[0]), int(parts[1])))
+    return configs
+
+
+def run_sweep(engine: GlanceEngine, configs: list[tuple[int, int]], limit: int = 10, max_tokens: int = 96,
+              tasks: tuple[str, ...] = TASKS, progress: bool = True) -> dict[str, Any]:
+    """The bench (without the HF peers) once per (budget, branch_k): AR, tree and chain back to back each time.
+
+    Returns ``{"configs": [{"budget", "branch_k", "geomean_decode_speedup", "geomean_chain_decode_speedup",
+    "tree_beats_chain": [tasks], "tasks": {task: {"tau", "decode_speedup", "chain_decode_speedup"}}}]}``.
+    """
+    saved = engine.budget, engine.branch_k
+    rows = []
+    try:
+        for budget, branch_k in configs:
+            engine.budget, engine.branch_k = budget, branch_k
+            rep = run_bench(engine, limit=limit, max_tokens=max_tokens, tasks=tasks, progress=progress, peers=False)
+            per_task = {t: {k: s[k] for k in ("tau", "decode_speedup", "chain_decode_speedup")}
+                        for t, s in rep["tasks"].items()}
+            chain = [s["chain_decode_speedup"] for s in per_task.values()]
+            rows.append({
+                "budget": budget, "branch_k": branch_k,
+                "geomean_decode_speedup": rep["geomean_decode_speedup"],
+                "geomean_chain_decode_speedup": math.exp(sum(math.log(c) for c in chain) / len(chain)),
+                "tree_beats_chain": [t for t, s in per_task.items() if s["decode_speedup"] > s["chain_decode_speedup"]],
+                "tasks": per_task,
+            })
+    finally:
+        engine.budget, engine.branch_k = saved
+    return {"configs": rows, "limit": limit, "max_tokens": max_tokens, "block_size": engine.block_size}
+
+
+def format_sweep(sweep: dict[str, Any]) -> str:
+    """One line per config: geomean decode speedups of the tree and the chain, and per-task tree / chain."""
+    lines = []
+    for row in sweep["configs"]:
+        per = ", ".join(f"{t} {s['decode_speedup']:.2f}/{s['chain_decode_speedup']:.2f}"
+                        for t, s in row["tasks"].items())
+        lines.append(f"budget {row['budget']:>3} branch_k {row['branch_k']}: tree {row['geomean_decode_speedup']:.2f}x "
+                     f"chain {row['geomean_chain_decode_speedup']:.2f}x | tree beats chain on "
+                     f"{len(row['tree_beats_chain'])}/{len(row['tasks'])} | tree/chain x: {per}")
+    return "\n".join(lines)
+
+
 def format_table(report: dict[str, Any]) -> str:
     cols = [("task", "{}"), ("tau", "{:.2f}"), ("tau-1", "{:.2f}"), ("AR ms/tok", "{:.2f}"),
             ("GLANCE ms/tok", "{:.2f}"), ("decode x", "{:.2f}"), ("e2e x", "{:.2f}"), ("chain x", "{:.2f}"),

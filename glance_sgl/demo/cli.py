@@ -22,7 +22,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ..cli import CLIError, default_checkpoints
     from ..engine import GlanceEngine
-    from .bench import format_table, run_bench, save_json, write_plots
+    from .bench import format_sweep, format_table, parse_sweep, run_bench, run_sweep, save_json, write_plots
     from .tasks import TASKS
 
     demo_model, demo_drafter = default_checkpoints()
@@ -36,8 +36,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise CLIError(f"unknown task(s) {bad}; tasks: {', '.join(TASKS)}")
     if args.limit < 1:
         raise CLIError("--limit must be >= 1")
+    sweep = None
+    if args.sweep:
+        try:
+            sweep = parse_sweep(args.sweep)
+        except ValueError as exc:
+            raise CLIError(f"--sweep: {exc}") from None
     torch.manual_seed(0)
     engine = GlanceEngine.load(model, drafter, budget=args.budget, branch_k=args.branch_k)
+    if sweep:
+        result = run_sweep(engine, sweep, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks)
+        print(format_sweep(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+            print(f"wrote {args.json}")
+        return 0
     report = run_bench(engine, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks, peers=not args.no_peers)
     print(format_table(report))
     if args.json:
@@ -67,6 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--model", help="target directory (default: bundled demo)")
     bench.add_argument("--drafter", help="drafter directory (default: bundled demo)")
     bench.add_argument("--no-peers", action="store_true", help="skip the Hugging Face generate peers")
+    bench.add_argument("--sweep", metavar="BxK,...",
+                       help="compare tree budgets x branch_k (e.g. 15x2,15x4,31x4) against the chain; no HF peers")
     bench.add_argument("--json", help="write the report as JSON")
     bench.add_argument("--plot", help="directory for PNG plots")
     bench.set_defaults(func=cmd_bench)
