@@ -105,13 +105,8 @@ def tiny_target_config(
     vision_depth: int = 2,
     initializer_range: float = 0.02,
     max_position_embeddings: int = 4096,
-    vision_full_attention: bool = False,
 ):
-    """A small config of the real Qwen2.5-VL / Qwen2-VL class, with token ids taken from ``tokenizer``.
-
-    Qwen2.5-VL's vision tower uses windowed attention except in its last block; ``vision_full_attention`` makes
-    every block attend over the whole image (Qwen2-VL's vision tower always does).
-    """
+    """A small config of the real Qwen2.5-VL / Qwen2-VL class, with token ids taken from ``tokenizer``."""
     head_dim = hidden_size // num_heads
     quarter = head_dim // 2 // 4  # mrope_section sums to head_dim / 2: [t, h, w] = [1/4, 3/8, 3/8]
     mrope_section = [quarter, (head_dim // 2 - quarter) // 2, head_dim // 2 - quarter - (head_dim // 2 - quarter) // 2]
@@ -150,7 +145,7 @@ def tiny_target_config(
             spatial_merge_size=2,
             temporal_patch_size=2,
             window_size=56,
-            fullatt_block_indexes=list(range(vision_depth)) if vision_full_attention else [vision_depth - 1],
+            fullatt_block_indexes=[vision_depth - 1],
             initializer_range=initializer_range,
         )
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)

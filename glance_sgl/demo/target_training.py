@@ -33,7 +33,6 @@ class TargetRecipe:
     intermediate_size: int = 512
     vision_hidden: int = 128
     vision_depth: int = 3
-    vision_full_attention: bool = True  # relate a bar to its label, an item to its quantity, in every block
     steps: int = 8000
     batch_size: int = 16
     lr: float = 2e-3
@@ -100,7 +99,6 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
         "qwen2_5_vl", tokenizer, hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
         num_heads=recipe.num_heads, num_kv_heads=recipe.num_kv_heads, intermediate_size=recipe.intermediate_size,
         vision_hidden=recipe.vision_hidden, vision_depth=recipe.vision_depth, max_position_embeddings=2048,
-        vision_full_attention=recipe.vision_full_attention,
     )
     resume = (ckpt / STATE_FILE).is_file()
     if resume:  # through from_pretrained: the saved key layout is not the in-memory one
