@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from glance_sgl.demo import paths
 from glance_sgl.demo.tasks import GROUNDED, TASKS, eval_set, train_example
@@ -87,3 +88,34 @@ def test_sweep_spec_errors_name_the_item(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_sweep(spec)
     assert parse_sweep("15x2, 31X4") == [(15, 2), (31, 4)]
+
+
+def test_demo_vlm_training_saves_a_loadable_checkpoint_and_resumes(tmp_path):
+    """The demo VLM recipe at toy size: a standard HF directory comes out, and a rerun with more steps resumes
+    from the checkpoint instead of starting over."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from glance_sgl.demo.target_training import TargetRecipe, train_target
+
+    recipe = TargetRecipe(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                          vision_hidden=32, vision_depth=1, steps=2, batch_size=2)
+    out = train_target(tmp_path / "vlm", recipe, progress=False, checkpoint_every=1)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
+    assert AutoProcessor.from_pretrained(out).tokenizer.chat_template
+    assert (out / "checkpoint" / "trainer_state.pt").is_file()  # saved after step 1 (the last step saves `out`)
+    recipe.steps = 3
+    train_target(out, recipe, progress=False, checkpoint_every=1)
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2 and sum(state["counters"].values()) == 2 * recipe.batch_size  # went on, not over
+    resumed = Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_image_token_similarity_flags_a_collapsed_vision_tower():
+    from glance_sgl.demo.target_training import image_token_similarity
+
+    grid = torch.tensor([[1, 4, 4], [1, 4, 2]])  # 4 + 2 merged tokens
+    collapsed = torch.ones(6, 8) * torch.arange(1, 9)
+    assert image_token_similarity(collapsed, grid) == pytest.approx(1.0)
+    distinct = torch.eye(8)[:6]
+    assert image_token_similarity(distinct, grid) == pytest.approx(0.0)

@@ -76,6 +76,22 @@ def collate(processor: Any, examples: list[Example]) -> dict[str, torch.Tensor]:
     return dict(batch)
 
 
+def image_token_similarity(merged: torch.Tensor, grid_thw: torch.Tensor, merge: int = 4) -> float:
+    """Mean pairwise cosine similarity of the merged image tokens within each image of a batch.
+
+    ``merged``: [sum of tokens, hidden] (the vision tower's output, images one after another); ``grid_thw``:
+    [images, 3] patch grids; ``merge``: patches per merged token. Near 1.0 the vision tower has collapsed (it
+    says the same thing about every part of the image) and the VLM cannot read anything.
+    """
+    sims, start = [], 0
+    for t, h, w in grid_thw.tolist():
+        n = t * h * w // merge
+        x = torch.nn.functional.normalize(merged[start : start + n].detach().float(), dim=-1)
+        sims.append(((x @ x.T).sum() - n) / max(n * (n - 1), 1))
+        start += n
+    return float(torch.stack(sims).mean())
+
+
 def lr_at(step: int, recipe: TargetRecipe) -> float:
     if step < recipe.warmup:
         return recipe.lr * (step + 1) / recipe.warmup
@@ -120,7 +136,9 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
     processor = AutoProcessor.from_pretrained(out)
     bar = tqdm(range(start, recipe.steps), initial=start, total=recipe.steps, desc="train demo VLM",
                disable=not progress, dynamic_ncols=True)
-    ema, t0 = None, time.time()
+    vision_out: dict[str, torch.Tensor] = {}
+    model.model.visual.register_forward_hook(lambda _m, _i, out: vision_out.__setitem__("merged", out.pooler_output))
+    ema, img_cos, t0 = None, float("nan"), time.time()
     for step in bar:
         examples = []
         for _ in range(recipe.batch_size):
@@ -136,9 +154,11 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}")
+        if step % log_every == 0:
+            img_cos = image_token_similarity(vision_out["merged"], batch["image_grid_thw"])
+        bar.set_postfix(loss=f"{ema:.3f}", img_cos=f"{img_cos:.2f}")
         if not progress and step % log_every == 0:
-            print(f"step {step} loss {ema:.3f} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"step {step} loss {ema:.3f} image-token cosine {img_cos:.2f} ({time.time() - t0:.0f}s)", flush=True)
         if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < recipe.steps:
             save_target(model, tokenizer, ckpt, max_pixels=recipe.max_pixels)
             torch.save({"optimizer": opt.state_dict(), "rng": rng.getstate(), "counters": counters,
