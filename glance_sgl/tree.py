@@ -111,19 +111,20 @@ def chain_tree(topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: t
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """[B, R] parent rows -> bool [B, R, R]; ``mask[b, i, j]`` is True iff row j is row i or an ancestor of it."""
+    """[B, R] parent rows -> bool [B, R, R]; ``mask[b, i, j]`` is True iff row j is row i or an ancestor of it.
+
+    Reachability by repeated squaring of ``I + parent one-hot`` (ceil(log2 R) small matmuls, any row order),
+    not a walk up the tree one level at a time (one round of indexing per level).
+    """
     bs, r = parents.shape
-    mask = torch.eye(r, dtype=torch.bool, device=parents.device).expand(bs, r, r).clone()
-    rows = torch.arange(r, device=parents.device).expand(bs, r)
-    batch = torch.arange(bs, device=parents.device)[:, None].expand(bs, r)
-    cur = parents.clone()
-    while bool((cur >= 0).any()):
-        valid = cur >= 0
-        mask[batch[valid], rows[valid], cur[valid]] = True
-        nxt = torch.full_like(cur, -1)
-        nxt[valid] = parents[batch[valid], cur[valid]]
-        cur = nxt
-    return mask
+    reach = torch.eye(r, dtype=torch.float32, device=parents.device).expand(bs, r, r).clone()
+    batch, rows = (parents >= 0).nonzero(as_tuple=True)
+    reach[batch, rows, parents[batch, rows]] = 1.0
+    span = 1  # reach covers ancestors up to `span` levels up
+    while span < r - 1:
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
+        span *= 2
+    return reach.bool()
 
 
 def tree_pointers(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,29 +105,29 @@ def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tens
     """Walk every tree from its root following the target's choices.
 
     ``tokens`` / ``parents`` / ``choices``: [B, R]. At each step the child (smallest row first, like SGLang's
-    sibling order) whose token equals the current row's choice is taken. Batched over requests; one
-    iteration per tree level.
+    sibling order) whose token equals the current row's choice is taken. The walk runs on host lists (one
+    copy each): a tree is a few dozen rows, and per-level tensor ops cost more than the whole walk.
     """
     bs, r = tokens.shape
+    tok, par, choice = tokens.tolist(), parents.tolist(), choices.tolist()
+    paths, bonus = [], []
+    for b in range(bs):
+        children: list[list[int]] = [[] for _ in range(r)]
+        for row, p in enumerate(par[b]):
+            if p >= 0:
+                children[p].append(row)  # ascending rows: the smallest matching child wins
+        cur, path = 0, [0]
+        while (nxt := next((c for c in children[cur] if tok[b][c] == choice[b][cur]), None)) is not None:
+            cur = nxt
+            path.append(cur)
+        paths.append(path)
+        bonus.append(choice[b][cur])
+    accepted = torch.full((bs, max(map(len, paths))), -1, dtype=torch.long)
+    for b, path in enumerate(paths):
+        accepted[b, : len(path)] = torch.tensor(path)
     dev = tokens.device
-    batch = torch.arange(bs, device=dev)
-    rows = torch.arange(r, device=dev)
-    cur = torch.zeros(bs, dtype=torch.long, device=dev)
-    active = torch.ones(bs, dtype=torch.bool, device=dev)
-    path = [cur.clone()]
-    lens = torch.zeros(bs, dtype=torch.long, device=dev)
-    while bool(active.any()):
-        want = choices[batch, cur]
-        match = (parents == cur[:, None]) & (tokens == want[:, None]) & active[:, None]
-        found = match.any(dim=1)
-        nxt = torch.where(match, rows[None, :], r).min(dim=1).values
-        cur = torch.where(found, nxt, cur)
-        lens += found.long()
-        active = found
-        path.append(torch.where(found, cur, torch.full_like(cur, -1)))
-    accepted = torch.stack(path[:-1], dim=1) if len(path) > 1 else path[0][:, None]
-    bonus = choices[batch, cur]
-    return WalkResult(accepted_rows=accepted, accept_lens=lens, bonus=bonus)
+    return WalkResult(accepted_rows=accepted.to(dev), accept_lens=torch.tensor([len(p) - 1 for p in paths], device=dev),
+                      bonus=torch.tensor(bonus, dtype=torch.long, device=dev))
 
 
 def verify_tree(

@@ -7,17 +7,20 @@ import base64
 import io
 import json
 
-from PIL import Image, ImageDraw
+from glance_sgl.demo.tasks import Example, eval_set
+
+EXAMPLE_TASK, EXAMPLE_INDEX = "caption", 2  # an evaluation scene the bundled demo VLM describes correctly
+
+
+def example() -> Example:
+    """The demo scene (image, prompt, reference answer) the printed request uses."""
+    return eval_set(EXAMPLE_TASK)[EXAMPLE_INDEX]
 
 
 def example_image_data_url() -> str:
-    """A small PNG (a red circle and a blue square on white) as a data URL."""
-    img = Image.new("RGB", (112, 112), "white")
-    draw = ImageDraw.Draw(img)
-    draw.ellipse((10, 10, 50, 50), fill=(220, 30, 30))
-    draw.rectangle((60, 60, 100, 100), fill=(30, 60, 220))
+    """The example scene as a PNG data URL."""
     buf = io.BytesIO()
-    img.save(buf, format="PNG", optimize=True)
+    example().image.save(buf, format="PNG", optimize=True)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -25,7 +28,7 @@ def curl_example(base_url: str, model: str = "glance-demo") -> str:
     body = {"model": model, "max_tokens": 64, "temperature": 0,
             "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": example_image_data_url()}},
-                {"type": "text", "text": "What shapes are in the picture, and what colour is each?"}]}],
+                {"type": "text", "text": example().prompt}]}],
             "glance": {"measure_speedup": True}}
     return (f"curl -s {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"  -d '{json.dumps(body)}' | python3 -m json.tool")
@@ -40,8 +43,9 @@ def main() -> None:
     base = f"http://{args.host}:{args.port}"
     print("When the server logs 'Application startup complete', try (in another shell):\n")
     print(curl_example(base, args.model))
+    print(f"\nThe bundled demo VLM should answer: {example().answer}")
     print("\nor the multipart endpoint with your own picture:\n")
-    print(f"curl -s {base}/v1/generate -F image=@picture.png -F prompt='Describe the picture' -F max_tokens=64\n")
+    print(f"curl -s {base}/v1/generate -F image=@picture.png -F prompt='Describe the image.' -F max_tokens=64\n")
     print(f"Metrics: curl -s {base}/metrics | grep ^glance_   Readiness: curl -s {base}/ready\n", flush=True)
 
 
