@@ -32,23 +32,48 @@ def test_grounded_answers_depend_on_the_image():
     assert ex.messages()[0]["content"][0]["image"] is ex.image
 
 
-def test_bundled_checkpoints_answer_a_grounded_question():
-    """The bundled demo loads offline and answers a question whose answer is in the image (is the chart a bar or
-    a line chart?) on evaluation charts it never saw in training, speculatively and losslessly."""
-    from glance_sgl.engine import GlanceEngine, SamplingParams
+@pytest.fixture(scope="module")
+def bundled():
+    from glance_sgl.engine import GlanceEngine
 
     assert (paths.bundled_target() / "config.json").is_file(), "bundled demo target missing"
     assert (paths.bundled_drafter() / "config.json").is_file(), "bundled demo drafter missing"
-    engine = GlanceEngine.load(paths.bundled_target(), paths.bundled_drafter())
+    return GlanceEngine.load(paths.bundled_target(), paths.bundled_drafter())
+
+
+@pytest.mark.parametrize("task", ["text", "document"])
+def test_bundled_checkpoints_read_signs_and_order_forms(bundled, task):
+    """The bundled demo loads offline and reads what is written in evaluation images it never saw in training
+    (a sign's word and number; every item and quantity of an order form), speculatively and losslessly."""
+    from glance_sgl.engine import SamplingParams
+
+    hits, examples = 0, eval_set(task)[:10]
+    for ex in examples:
+        glance = bundled.generate(ex.messages(), SamplingParams(max_tokens=64))
+        ar = bundled.generate(ex.messages(), SamplingParams(max_tokens=64), mode="ar")
+        assert glance.token_ids == ar.token_ids
+        hits += glance.text.strip() == ex.answer
+    assert hits >= 9, f"only {hits}/{len(examples)} {task} answers exactly right"
+
+
+def test_bundled_checkpoints_name_chart_kinds(bundled):
+    from glance_sgl.engine import SamplingParams
+
     hits, charts = 0, eval_set("chart")[:10]
     for ex in charts:
-        glance = engine.generate(ex.messages(), SamplingParams(max_tokens=48))
-        ar = engine.generate(ex.messages(), SamplingParams(max_tokens=48), mode="ar")
-        assert glance.token_ids == ar.token_ids
+        text = bundled.generate(ex.messages(), SamplingParams(max_tokens=48)).text
         kind = "bar" if " bar chart" in ex.answer else "line"
         other = "line" if kind == "bar" else "bar"
-        hits += f"{kind} chart" in glance.text and f"{other} chart" not in glance.text
+        hits += f"{kind} chart" in text and f"{other} chart" not in text
     assert hits >= 9, f"only {hits}/{len(charts)} chart kinds named correctly"
+
+
+def test_make_serve_example_is_answered_as_printed(bundled):
+    from glance_server.example import example
+
+    from glance_sgl.engine import SamplingParams
+
+    assert bundled.generate(example().messages(), SamplingParams(max_tokens=64)).text.strip() == example().answer
 
 
 def test_bench_report_schema(engines):
