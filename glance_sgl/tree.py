@@ -110,21 +110,33 @@ def chain_tree(topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: t
     return build_tree(topk_values[..., :1], topk_ids[..., :1], root_tokens, budget=topk_ids.shape[1])
 
 
+SQUARING_MAX_ROWS = 64  # above this, R^3 matmuls cost more than one scatter per tree level
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, R] parent rows -> bool [B, R, R]; ``mask[b, i, j]`` is True iff row j is row i or an ancestor of it.
 
-    Reachability by repeated squaring of ``I + parent one-hot`` (ceil(log2 R) small matmuls, any row order),
-    not a walk up the tree one level at a time (one round of indexing per level).
+    Small trees (the per-round case): reachability by repeated squaring of ``I + parent one-hot``
+    (ceil(log2 R) tiny matmuls). Large trees: walk up one level at a time (one scatter + gather per level).
+    Both accept rows in any order.
     """
     bs, r = parents.shape
-    reach = torch.eye(r, dtype=torch.float32, device=parents.device).expand(bs, r, r).clone()
-    batch, rows = (parents >= 0).nonzero(as_tuple=True)
-    reach[batch, rows, parents[batch, rows]] = 1.0
-    span = 1  # reach covers ancestors up to `span` levels up
-    while span < r - 1:
-        reach = torch.bmm(reach, reach).clamp_(max=1.0)
-        span *= 2
-    return reach.bool()
+    if r <= SQUARING_MAX_ROWS:
+        reach = torch.eye(r, dtype=torch.float32, device=parents.device).expand(bs, r, r).clone()
+        batch, rows = (parents >= 0).nonzero(as_tuple=True)
+        reach[batch, rows, parents[batch, rows]] = 1.0
+        span = 1  # reach covers ancestors up to `span` levels up
+        while span < r - 1:
+            reach = torch.bmm(reach, reach).clamp_(max=1.0)
+            span *= 2
+        return reach.bool()
+    mask = torch.zeros(bs, r, r + 1, dtype=torch.bool, device=parents.device)  # column r: "no ancestor here"
+    mask.scatter_(2, torch.arange(r, device=parents.device).expand(bs, r)[..., None], True)
+    cur = parents
+    while bool((cur >= 0).any()):
+        mask.scatter_(2, torch.where(cur >= 0, cur, r)[..., None], True)
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), cur)
+    return mask[..., :r]
 
 
 def tree_pointers(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

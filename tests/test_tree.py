@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import random
+
 import pytest
 import torch
 
@@ -105,3 +107,23 @@ def test_ancestor_mask_and_pointers_agree():
                 by_pointers.append(c)
                 c = int(nxt[b, c])
             assert by_pointers == by_mask
+
+
+@pytest.mark.parametrize("rows", [1, 2, 17, 64, 65, 300])
+def test_ancestor_mask_matches_walking_up_any_row_order(rows):
+    """Both strategies (squaring for small trees, level walk for large ones) equal the definition, for trees
+    whose rows are not in topological order."""
+    rng = random.Random(rows)
+    order = list(range(rows))
+    rng.shuffle(order)  # order[k] is the row of the k-th node in a random tree
+    parents = [-1] * rows
+    for k in range(1, rows):
+        parents[order[k]] = order[rng.randrange(k)]
+    mask = ancestor_mask(torch.tensor([parents, [-1] + list(range(rows - 1))]))
+    for i in range(rows):
+        want, j = {i}, parents[i]
+        while j >= 0:
+            want.add(j)
+            j = parents[j]
+        assert set(mask[0, i].nonzero().flatten().tolist()) == want
+        assert set(mask[1, i].nonzero().flatten().tolist()) == set(range(i + 1))
