@@ -141,6 +141,6 @@ def test_image_token_similarity_flags_a_collapsed_vision_tower():
 
     grid = torch.tensor([[1, 4, 4], [1, 4, 2]])  # 4 + 2 merged tokens
     collapsed = torch.ones(6, 8) * torch.arange(1, 9)
-    assert image_token_similarity(collapsed, grid) == pytest.approx(1.0)
+    assert image_token_similarity(collapsed, grid, merge=4) == pytest.approx(1.0)
     distinct = torch.eye(8)[:6]
-    assert image_token_similarity(distinct, grid) == pytest.approx(0.0)
+    assert image_token_similarity(distinct, grid, merge=4) == pytest.approx(0.0)

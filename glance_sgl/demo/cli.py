@@ -48,7 +48,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = run_sweep(engine, sweep, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks)
         print(format_sweep(result))
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2))
+            save_json(result, args.json)
             print(f"wrote {args.json}")
         return 0
     report = run_bench(engine, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks, peers=not args.no_peers)

@@ -76,7 +76,7 @@ def collate(processor: Any, examples: list[Example]) -> dict[str, torch.Tensor]:
     return dict(batch)
 
 
-def image_token_similarity(merged: torch.Tensor, grid_thw: torch.Tensor, merge: int = 4) -> float:
+def image_token_similarity(merged: torch.Tensor, grid_thw: torch.Tensor, merge: int) -> float:
     """Mean pairwise cosine similarity of the merged image tokens within each image of a batch.
 
     ``merged``: [sum of tokens, hidden] (the vision tower's output, images one after another); ``grid_thw``:
@@ -155,7 +155,8 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
         opt.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if step % log_every == 0:
-            img_cos = image_token_similarity(vision_out["merged"], batch["image_grid_thw"])
+            img_cos = image_token_similarity(vision_out["merged"], batch["image_grid_thw"],
+                                             merge=config.vision_config.spatial_merge_size ** 2)
         bar.set_postfix(loss=f"{ema:.3f}", img_cos=f"{img_cos:.2f}")
         if not progress and step % log_every == 0:
             print(f"step {step} loss {ema:.3f} image-token cosine {img_cos:.2f} ({time.time() - t0:.0f}s)", flush=True)
