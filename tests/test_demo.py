@@ -32,6 +32,38 @@ def test_grounded_answers_depend_on_the_image():
     assert ex.messages()[0]["content"][0]["image"] is ex.image
 
 
+def test_text_answers_read_the_sign_and_name_its_colour():
+    from glance_sgl.demo.tasks import SIGN_COLOURS
+
+    for i in range(20):
+        ex = train_example("text", i)
+        word, number = ex.key.split("|")[1].split()
+        colour = ex.answer.split(" It is a ")[1].split()[0]
+        assert f'"{word} {number}"' in ex.answer and colour in SIGN_COLOURS
+        assert ex.image.getpixel((84, 100)) == SIGN_COLOURS[colour]  # the sign's background, below the number
+
+
+def test_open_choices_are_wide_and_lean_on_the_picture():
+    """Every free choice is sampled from a wide distribution that changes with the scene, so the greedy answer
+    differs from picture to picture (a VLM trained on it cannot collapse onto one favourite story)."""
+    import math
+    import random
+
+    from glance_sgl.demo.tasks import CREATURES, _Chooser, draw_scene
+
+    favourites, entropies = set(), []
+    for i in range(20):
+        _, shapes = draw_scene(random.Random(f"scene:{i}"))
+        p = _Chooser(random.Random(0), shapes, "Tell me a story.").probabilities("who1", CREATURES)
+        assert abs(sum(p) - 1.0) < 1e-9
+        entropies.append(-sum(q * math.log(q) for q in p if q > 0))
+        favourites.add(CREATURES[max(range(len(p)), key=p.__getitem__)])
+    assert min(entropies) > 1.0  # nats; uniform over 12 would be 2.48
+    assert len(favourites) >= 4
+    answers = {train_example("open", i).answer for i in range(30)}
+    assert len(answers) == 30
+
+
 @pytest.fixture(scope="module")
 def bundled():
     from glance_sgl.engine import GlanceEngine

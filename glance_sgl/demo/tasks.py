@@ -12,6 +12,7 @@ so the splits are disjoint.
 from __future__ import annotations
 
 import functools
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,6 +38,8 @@ SIGN_WORDS = (
     "TRAIN", "HONEY", "LIGHT", "MUSIC", "PLANT", "QUEEN", "SMILE", "WATER", "BREAD", "CHAIR", "DREAM", "FROST",
     "GRAPE", "HOUSE", "JUICE", "KNIFE", "MANGO", "NORTH", "OLIVE", "PEARL", "RADIO", "SUGAR", "TOWER", "VOICE",
 )
+# Sign colours keep the letters' contrast (luminance near the canvas) while differing in hue.
+SIGN_COLOURS = {"red": (176, 96, 88), "green": (96, 150, 100), "blue": (96, 124, 176), "yellow": (184, 164, 80)}
 ITEMS = ("PEAR", "MILK", "RICE", "SALT", "CORN", "FISH", "TEA", "EGGS", "BEANS", "FLOUR", "OATS", "SOUP")
 BAR_LABELS = "ABCDE"
 # Canvases are mid-grey, near the processor's normalisation mean: a white page would make every patch embedding
@@ -77,26 +80,44 @@ def _centered_text(draw: ImageDraw.ImageDraw, xy: tuple[int, int], text: str, si
 
 
 # ---------------------------------------------------------------------------------------------- caption
-def make_caption(rng: random.Random) -> Example:
+@dataclass(frozen=True)
+class Shape:
+    colour: str
+    shape: str
+    cell: int  # 0..8, row-major on a 3 x 3 grid
+
+    @property
+    def where(self) -> str:
+        r, c = divmod(self.cell, 3)
+        return "in the center" if self.cell == 4 else f"at the {ROWS[r]} {COLS[c]}"
+
+
+def draw_scene(rng: random.Random) -> tuple[Image.Image, list[Shape]]:
+    """One to three coloured shapes on distinct cells of a 3 x 3 grid (168 x 168 pixels)."""
     size, cell = 168, 56
-    n = rng.randint(1, 3)
-    cells = sorted(rng.sample(range(9), n))
+    cells = sorted(rng.sample(range(9), rng.randint(1, 3)))
     img = Image.new("RGB", (size, size), CANVAS)
     draw = ImageDraw.Draw(img)
-    parts = []
+    shapes = []
     for c in cells:
-        colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+        s = Shape(rng.choice(list(COLOURS)), rng.choice(SHAPES), c)
         r, col = divmod(c, 3)
         cx, cy, h = col * cell + cell // 2, r * cell + cell // 2, 18
-        fill = COLOURS[colour]
-        if shape == "circle":
+        fill = COLOURS[s.colour]
+        if s.shape == "circle":
             draw.ellipse((cx - h, cy - h, cx + h, cy + h), fill=fill)
-        elif shape == "square":
+        elif s.shape == "square":
             draw.rectangle((cx - h, cy - h, cx + h, cy + h), fill=fill)
         else:
             draw.polygon([(cx, cy - h), (cx - h, cy + h), (cx + h, cy + h)], fill=fill)
-        where = "in the center" if c == 4 else f"at the {ROWS[r]} {COLS[col]}"
-        parts.append(f"a {colour} {shape} {where}")
+        shapes.append(s)
+    return img, shapes
+
+
+def make_caption(rng: random.Random) -> Example:
+    img, shapes = draw_scene(rng)
+    n = len(shapes)
+    parts = [f"a {s.colour} {s.shape} {s.where}" for s in shapes]
     noun = "shape" if n == 1 else "shapes"
     verb = "is" if n == 1 else "are"
     body = ", ".join(parts[:-1]) + (" and " if n > 1 else "") + parts[-1]
@@ -107,18 +128,18 @@ def make_caption(rng: random.Random) -> Example:
 
 # ---------------------------------------------------------------------------------------------- text
 def make_text(rng: random.Random) -> Example:
-    """A sign with a word and a number (gate, platform, room...): 36 x 98 contents, so the evaluation signs
-    leave plenty of training signs (single words alone would be used up by the evaluation set)."""
+    """A coloured sign with a word and a number (gate, platform, room...): 36 x 98 contents, so the evaluation
+    signs leave plenty of training signs (single words alone would be used up by the evaluation set)."""
     word, number = rng.choice(SIGN_WORDS), rng.randint(2, 99)
-    bg = rng.choice([(128, 128, 128), (140, 128, 108), (112, 124, 140)])
+    colour = rng.choice(list(SIGN_COLOURS))
     img = Image.new("RGB", (168, 112), (60, 60, 60))
     draw = ImageDraw.Draw(img)
-    draw.rectangle((6, 10, 161, 101), fill=bg)
+    draw.rectangle((6, 10, 161, 101), fill=SIGN_COLOURS[colour])
     _centered_text(draw, (84, 36), word, 26, (20, 20, 20))
     _centered_text(draw, (84, 76), str(number), 26, (20, 20, 20))
     said = f"{word} {number}"
     prompt = rng.choice(["What does the sign say?", "Read the text in the image.", "What is written on the sign?"])
-    answer = f'The sign says "{said}".'
+    answer = f'The sign says "{said}". It is a {colour} sign with black letters.'
     return Example("text", img, prompt, answer, key=f"text|{said}")
 
 
@@ -177,54 +198,104 @@ def make_document(rng: random.Random) -> Example:
 
 
 # ---------------------------------------------------------------------------------------------- open
-# Open-ended answers are drawn from many independent choices (who, where, what, how it went, how it ended; moods,
-# likes, plans), so the same prompt has thousands of good answers: nothing in the image pins them down, and the
-# VLM's next-token distribution is wide wherever a choice is made.
-CHARACTERS = ("a little fox", "an old sailor", "a shy robot", "a young witch", "a clever crow", "a tired baker",
-              "a brave mouse", "a lonely giant", "a curious child", "a silver cat", "a kind farmer", "a small dragon",
-              "a wise owl", "a lost puppy", "a gentle bear", "a quiet painter")
-PLACES = ("near the river", "in a quiet town", "under the hill", "by the sea", "in the dark forest",
-          "on a tall mountain", "behind the old mill", "in a busy market", "at the edge of the lake",
-          "inside a hollow tree", "on a windy beach", "in a snowy village")
-FINDS = ("a glowing lantern", "a lost letter", "a tiny door", "a golden key", "a singing shell", "a strange map",
-         "a broken clock", "a warm blanket", "a paper boat", "a blue feather", "an empty jar", "a secret garden")
-MIDDLES = ("The wind was cold", "The sun was low", "It was very late", "Nobody else was there", "The moon was full",
-           "Rain began to fall", "The bells were ringing", "Birds sang in the trees")
-ACTIONS = ("carried it home", "showed it to a friend", "kept it a secret", "followed where it led",
-           "asked the village elder", "waited until morning", "wrote a song about it", "gave it away")
-ENDINGS = ("and everyone smiled.", "and the night felt kind.", "and nothing was the same again.",
-           "and they became friends.", "and the rain finally stopped.", "and it was enough.",
-           "and the town had a party.", "and the stars came out.")
+# Open-ended answers are dense with free choices, many of them back to back (an adjective and its noun), like the
+# wide next-token distributions of real open-ended text. Nothing pins a choice down: each is sampled from a wide
+# distribution (top option ~0.3) whose logits add small random preferences for what the picture shows, for the
+# prompt and for the previous choice. So the VLM learns wide, input-dependent distributions, and its greedy
+# answer changes from picture to picture instead of collapsing onto one favourite story.
+CREATURE_ADJS = ("little", "old", "shy", "brave", "clever", "tired", "gentle", "lonely", "curious", "silver",
+                 "tiny", "wise")
+CREATURES = ("fox", "crow", "bear", "mouse", "owl", "cat", "dragon", "robot", "sailor", "witch", "baker", "giant")
+THING_ADJS = ("glowing", "golden", "broken", "strange", "blue", "paper", "secret", "singing", "heavy", "wooden")
+THINGS = ("lantern", "key", "map", "door", "shell", "clock", "boat", "feather", "jar", "letter", "bell", "ring")
+PLACES = ("near the river", "under the hill", "by the sea", "in the forest", "on the mountain", "behind the mill",
+          "in the market", "by the lake", "in the snow", "on the beach")
 MOODS = ("happy", "calm", "hopeful", "sleepy", "curious", "thankful", "cheerful", "quiet", "busy", "excited")
-THINGS = ("tea", "music", "long walks", "old books", "warm bread", "the sea", "rainy days", "small gardens",
-          "board games", "cold mornings", "bright colors", "funny movies", "mountain air", "fresh fruit")
-PLANS = ("cook something new", "call an old friend", "read by the window", "plant a few seeds", "go for a swim",
-         "learn a new song", "clean the kitchen", "visit the market")
+ACTIONS = ("carried it home", "showed it to a friend", "kept it a secret", "followed where it led",
+           "asked the old king", "waited until morning", "wrote a song about it", "gave it away")
+ENDINGS = ("and everyone smiled.", "and the night felt kind.", "and nothing was the same again.",
+           "and they became friends.", "and the rain stopped.", "and it was enough.", "and the town had a party.",
+           "and the stars came out.")
+LIKE_ADJS = ("warm", "old", "quiet", "long", "sweet", "fresh", "loud", "small", "cold", "bright")
+LIKES = ("bread", "books", "music", "walks", "tea", "songs", "gardens", "games", "movies", "fruit", "mornings",
+         "rain")
+PLANS = ("cook", "read", "swim", "paint", "sing", "dance", "rest", "write", "walk", "garden")
+OPENINGS = ("Once upon a time", "Long ago", "One morning", "Last winter")
 STORY_PROMPTS = ("Tell me a story.", "Write a short story.", "Make up a tale.", "Tell me a bedtime story.",
                  "Invent a little story.")
 CHAT_PROMPTS = ("How are you today?", "Tell me about yourself.", "Say something nice.", "What are your plans?",
                 "Chat with me for a moment.")
+# Logit scales (per cue): a scene has 1-3 shapes with 3 cues each; the total logit spread (~1.2) leaves every
+# slot's distribution wide (entropy ~1.5-2 nats).
+_SCENE_SCALE, _PREV_SCALE, _PROMPT_SCALE = 0.35, 0.6, 0.4
 
 
-def _story(rng: random.Random) -> str:
-    who, where, what = rng.choice(CHARACTERS), rng.choice(PLACES), rng.choice(FINDS)
-    opening = rng.choice(["Once upon a time", "Long ago", "One morning", "Last winter"])
-    return (f"{opening}, {who} found {what} {where}. {rng.choice(MIDDLES)}, so the {who.split(' ', 1)[1]} "
-            f"{rng.choice(ACTIONS)}, {rng.choice(ENDINGS)}")
+@functools.lru_cache(maxsize=None)
+def _preference(slot: str, cue: str, n: int) -> tuple[float, ...]:
+    """A fixed random preference vector (one value per option) of ``slot`` for ``cue``."""
+    rng = random.Random(f"open-preference:{slot}:{cue}")
+    return tuple(rng.gauss(0.0, 1.0) for _ in range(n))
 
 
-def _chat(rng: random.Random) -> str:
-    likes = rng.sample(THINGS, 3)
-    return (f"I feel {rng.choice(MOODS)} today. I like {likes[0]} and {likes[1]}. "
-            f"Later I want to {rng.choice(PLANS)}, and maybe we can talk about {likes[2]}.")
+class _Chooser:
+    """Samples one open-ended choice after another; each leans on the scene, the prompt and the previous choice."""
+
+    def __init__(self, rng: random.Random, shapes: list[Shape], prompt: str) -> None:
+        self.rng, self.prompt, self.prev = rng, prompt, "start"
+        self.scene_cues = [c for s in shapes for c in (f"colour={s.colour}", f"shape={s.shape}", f"cell={s.cell}")]
+
+    def weights(self, slot: str, options: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[float]:
+        """Unnormalised weights ``slot`` is sampled with, given the scene, the prompt and the previous choice."""
+        n = len(options)
+        logits = [_PROMPT_SCALE * x for x in _preference(slot, f"prompt={self.prompt}", n)]
+        for cue, scale in [(c, _SCENE_SCALE) for c in self.scene_cues] + [(f"prev={self.prev}", _PREV_SCALE)]:
+            logits = [l + scale * x for l, x in zip(logits, _preference(slot, cue, n))]
+        return [0.0 if o in exclude else math.exp(l) for o, l in zip(options, logits)]
+
+    def probabilities(self, slot: str, options: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[float]:
+        w = self.weights(slot, options, exclude)
+        return [x / sum(w) for x in w]
+
+    def __call__(self, slot: str, options: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str:
+        self.prev = self.rng.choices(options, weights=self.weights(slot, options, exclude))[0]
+        return self.prev
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def _story(choose: _Chooser) -> str:
+    opening = choose("opening", OPENINGS)
+    a1, c1 = choose("adj1", CREATURE_ADJS), choose("who1", CREATURES)
+    a2, c2 = choose("adj2", CREATURE_ADJS), choose("who2", CREATURES, exclude=(c1,))
+    ta, t, where = choose("thing_adj", THING_ADJS), choose("thing", THINGS), choose("place", PLACES)
+    m1 = choose("mood1", MOODS)
+    m2 = choose("mood2", MOODS, exclude=(m1,))
+    action, ending = choose("action", ACTIONS), choose("ending", ENDINGS)
+    return (f"{opening}, {_a(a1)} {c1} and {_a(a2)} {c2} found {_a(ta)} {t} {where}. The {c1} felt {m1} and the {c2} "
+            f"felt {m2}, so they {action} {ending}")
+
+
+def _chat(choose: _Chooser) -> str:
+    m1 = choose("mood1", MOODS)
+    m2 = choose("mood2", MOODS, exclude=(m1,))
+    la1, l1 = choose("like_adj1", LIKE_ADJS), choose("like1", LIKES)
+    la2, l2 = choose("like_adj2", LIKE_ADJS), choose("like2", LIKES, exclude=(l1,))
+    p1 = choose("plan1", PLANS)
+    p2 = choose("plan2", PLANS, exclude=(p1,))
+    return (f"Today I feel {m1} and a little {m2}. I like {la1} {l1} and {la2} {l2}, and later I will {p1} "
+            f"and {p2}.")
 
 
 def make_open(rng: random.Random) -> Example:
-    img = make_caption(rng).image  # an image that does not determine the answer
+    img, shapes = draw_scene(rng)  # a picture that leans on the answer but does not determine it
     if rng.random() < 0.5:
-        prompt, answer = rng.choice(STORY_PROMPTS), _story(rng)
+        prompt = rng.choice(STORY_PROMPTS)
+        answer = _story(_Chooser(rng, shapes, prompt))
     else:
-        prompt, answer = rng.choice(CHAT_PROMPTS), _chat(rng)
+        prompt = rng.choice(CHAT_PROMPTS)
+        answer = _chat(_Chooser(rng, shapes, prompt))
     return Example("open", img, prompt, answer, key=f"open|{prompt}|{answer}")
 
 
@@ -261,10 +332,14 @@ def train_example(task: str, index: int) -> Example:
 
 
 def corpus(n_per_task: int = 300) -> list[str]:
-    """Prompts and answers of training examples (for the tokenizer)."""
+    """Prompts and answers of training examples, plus every word a task can choose (for the tokenizer: a sign
+    or item word that BPE splits into pieces is several hard tokens to draft instead of one)."""
     texts = []
     for task in TASKS:
         for i in range(n_per_task):
             ex = train_example(task, i)
             texts += [ex.prompt, ex.answer]
-    return texts
+    lexicon = [f'"{w}' for w in SIGN_WORDS] + [f" {w}" for w in ITEMS + tuple(SIGN_COLOURS)]
+    lexicon += [f" {w}" for words in (CREATURE_ADJS, CREATURES, THING_ADJS, THINGS, MOODS, LIKE_ADJS, LIKES, PLANS)
+                for w in words]
+    return texts + lexicon * 40
