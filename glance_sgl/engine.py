@@ -336,7 +336,8 @@ class GlanceEngine:
         """
         assert self.drafter is not None
         tree = self.draft_tree(dcache, committed[-1], mode)
-        meta = glance_kernels.tree_meta(tree.parents)  # Triton on CUDA, glance_sgl.tree's torch code elsewhere
+        # Triton on CUDA, glance_sgl.tree's torch code elsewhere; only the mask is needed here
+        meta = glance_kernels.tree_meta(tree.parents, pointers=False)
         rows = self.target.forward_rows(state, tree.tokens[0], tree.depths[0], meta.tree_mask[0],
                                         taps=self.drafter.config.tap_layers)
         walk = verify_tree(tree.tokens, tree.parents, tree.depths, rows.logits[None].cpu(),

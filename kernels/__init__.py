@@ -75,12 +75,15 @@ def _host_list(prefix_lens: torch.Tensor, prefix_cpu: Sequence[int] | None) -> l
     return [int(p) for p in (prefix_lens.tolist() if prefix_cpu is None else prefix_cpu)]
 
 
-def tree_meta(parents: torch.Tensor, prefix_lens: torch.Tensor | None = None) -> TreeMeta:
+def tree_meta(parents: torch.Tensor, prefix_lens: torch.Tensor | None = None, pointers: bool = True) -> TreeMeta:
     """Ancestor mask (bool [bs, N, N]), positions (``prefix + depth``, long [bs, N]) and first-child /
-    next-sibling pointers (long [bs, N], -1 where none) from parent rows (long [bs, N], -1 for the root)."""
+    next-sibling pointers (long [bs, N], -1 where none) from parent rows (long [bs, N], -1 for the root).
+
+    ``pointers=False`` lets the torch path skip the pointers (None then); the Triton kernel computes all of it
+    in the same pass, so it always returns them."""
     if use_triton(parents):
         return _triton().tree_meta(parents, prefix_lens)
-    return reference.tree_meta(parents, prefix_lens)
+    return reference.tree_meta(parents, prefix_lens, pointers=pointers)
 
 
 def full_mask(

@@ -27,14 +27,14 @@ class TreeMeta(NamedTuple):
 
     tree_mask:    bool [bs, N, N], row j is row i or an ancestor of it
     positions:    long [bs, N], ``prefix_len + depth``
-    first_child:  long [bs, N]
-    next_sibling: long [bs, N]
+    first_child:  long [bs, N] (None when not asked for)
+    next_sibling: long [bs, N] (None when not asked for)
     """
 
     tree_mask: torch.Tensor
     positions: torch.Tensor
-    first_child: torch.Tensor
-    next_sibling: torch.Tensor
+    first_child: torch.Tensor | None
+    next_sibling: torch.Tensor | None
 
 
 class VerifyResult(NamedTuple):
@@ -68,10 +68,11 @@ class DeviceTree(NamedTuple):
 # ---------------------------------------------------------------------------------------------- tree metadata
 
 
-def tree_meta(parents: torch.Tensor, prefix_lens: torch.Tensor | None = None) -> TreeMeta:
+def tree_meta(parents: torch.Tensor, prefix_lens: torch.Tensor | None = None, pointers: bool = True) -> TreeMeta:
     """Ancestor mask, positions and first-child / next-sibling pointers from parent rows.
 
-    ``parents``: long [bs, N]; ``prefix_lens``: [bs] (committed tokens before the root; zeros when None).
+    ``parents``: long [bs, N]; ``prefix_lens``: [bs] (committed tokens before the root; zeros when None);
+    ``pointers``: False skips the pointers (None), which only SGLang's verify kernel reads.
     The algorithm is ``glance_sgl.tree``'s (one implementation); its level loop syncs with the host once per
     tree level, which the CPU path of the dispatcher does not mind (the Triton kernel has no sync).
     """
@@ -79,7 +80,7 @@ def tree_meta(parents: torch.Tensor, prefix_lens: torch.Tensor | None = None) ->
     mask = ancestor_mask(parents)
     depth = mask.sum(-1) - 1
     base = torch.zeros(parents.shape[0], dtype=torch.long, device=parents.device) if prefix_lens is None else prefix_lens.long()
-    first_child, next_sibling = tree_pointers(parents)
+    first_child, next_sibling = tree_pointers(parents) if pointers else (None, None)
     return TreeMeta(mask, depth + base[:, None], first_child, next_sibling)
 
 

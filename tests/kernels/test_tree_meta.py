@@ -27,6 +27,8 @@ def test_tree_meta_matches_reference_and_core(kind: str, n: int, prefix: str) ->
     assert torch.equal(ref.first_child, first) and torch.equal(ref.next_sibling, nxt)
     depth = ref.tree_mask.sum(-1) - 1
     assert torch.equal(ref.positions, prefix_lens[:, None] + depth)
+    lean = gk.tree_meta(parents, prefix_lens, pointers=False)  # the embedded engine's call: mask and positions
+    assert torch.equal(lean.tree_mask, ref.tree_mask) and torch.equal(lean.positions, ref.positions)
 
 
 @pytest.mark.parametrize("kind", KINDS)
