@@ -4,6 +4,9 @@ Per round: H = entropy (nats) of the target's next-token distribution at the roo
 (bonus excluded). Model: ``logit p = b0 - b1*H`` and ``E[a | H] = min(p / (1 - p), B - 1)``, fitted by least
 squares over rounds. The law holds when b1 > 0, Spearman(H, a) < 0 with p < 0.05, and the fit explains at
 least half of what any function of H could (binned R^2 >= 0.5).
+
+Callers fit it on rounds whose accepted length the drafter decided: a request's last round is cut short by the
+end of the answer (EOS, a stop string, max_tokens) whatever its entropy, so ``glance bench`` leaves it out.
 """
 
 from __future__ import annotations

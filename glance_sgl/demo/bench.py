@@ -54,8 +54,11 @@ class TaskResult:
     hf_matches: int = 0
     prompt_lookup_matches: int = 0
     prompts: int = 0
-    entropies: list[float] = field(default_factory=list)
-    accepts: list[int] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)  # every round's root entropy (nats)
+    # The rounds the entropy law is fitted on: all but each request's last, whose accepted length is cut short by
+    # the end of the answer (EOS, stop, max_tokens) rather than by what the drafter could guess.
+    law_entropies: list[float] = field(default_factory=list)
+    law_accepts: list[int] = field(default_factory=list)
 
     def speedup(self, method: str, e2e: bool = False) -> float:
         ar, other = self.totals["ar"], self.totals[method]
@@ -144,7 +147,8 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
         res.chain_committed += sum(ch.metrics.committed_per_round)
         res.chain_rounds += ch.metrics.rounds
         res.entropies += gl.metrics.root_entropies
-        res.accepts += gl.metrics.accept_lengths
+        res.law_entropies += gl.metrics.root_entropies[:-1]
+        res.law_accepts += gl.metrics.accept_lengths[:-1]
         if peers:
             res.peer_prompts += 1
             toks, dec, e2e = _hf_decode(target, messages, len(ar.token_ids))
@@ -164,14 +168,14 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
         "block_size": engine.block_size,
         "max_tokens": max_tokens,
     }
-    entropies = [h for r in results.values() for h in r.entropies]
-    accepts = [a for r in results.values() for a in r.accepts]
+    entropies = [h for r in results.values() for h in r.law_entropies]
+    accepts = [a for r in results.values() for a in r.law_accepts]
     try:
         law = fit_entropy_law(entropies, accepts, engine.block_size - 1)
         out["law"] = law.to_dict()
     except ValueError as exc:
         out["law"] = {"error": str(exc), "holds": False}
-    out["_rounds"] = {t: {"entropy": r.entropies, "accepted": r.accepts} for t, r in results.items()}
+    out["_rounds"] = {t: {"entropy": r.law_entropies, "accepted": r.law_accepts} for t, r in results.items()}
     return out
 
 
