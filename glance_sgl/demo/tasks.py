@@ -254,7 +254,8 @@ class _Chooser:
 
     def probabilities(self, slot: str, options: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[float]:
         w = self.weights(slot, options, exclude)
-        return [x / sum(w) for x in w]
+        total = sum(w)
+        return [x / total for x in w]
 
     def __call__(self, slot: str, options: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str:
         self.prev = self.rng.choices(options, weights=self.weights(slot, options, exclude))[0]
