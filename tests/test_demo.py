@@ -32,13 +32,18 @@ def test_grounded_answers_depend_on_the_image():
     assert ex.messages()[0]["content"][0]["image"] is ex.image
 
 
+def sign_of(ex) -> tuple[str, str, str]:
+    """(word, number, colour) of a text-task example, from its content key and its answer."""
+    word, number = ex.key.split("|")[1].split()
+    return word, number, ex.answer.split(" It is a ")[1].split()[0]
+
+
 def test_text_answers_read_the_sign_and_name_its_colour():
     from glance_sgl.demo.tasks import SIGN_COLOURS
 
     for i in range(20):
         ex = train_example("text", i)
-        word, number = ex.key.split("|")[1].split()
-        colour = ex.answer.split(" It is a ")[1].split()[0]
+        word, number, colour = sign_of(ex)
         assert f'"{word} {number}"' in ex.answer and colour in SIGN_COLOURS
         assert ex.image.getpixel((84, 100)) == SIGN_COLOURS[colour]  # the sign's background, below the number
 
@@ -96,7 +101,7 @@ def test_bundled_checkpoints_read_sign_words_and_colours(bundled):
     examples = eval_set("text")[:10]
     hits = 0
     for ex in examples:
-        word, colour = ex.key.split("|")[1].split()[0], ex.answer.split(" It is a ")[1].split()[0]
+        word, _, colour = sign_of(ex)
         text = _answered(bundled, ex)
         hits += f'"{word} ' in text and f"It is a {colour} sign" in text
     assert hits >= 9, f"only {hits}/{len(examples)} sign words and colours read right"
