@@ -198,13 +198,15 @@ def make_document(rng: random.Random) -> Example:
 
 
 # ---------------------------------------------------------------------------------------------- open
-# Open-ended answers are dense with free choices, many of them back to back (an adjective and its noun), like the
-# wide next-token distributions of real open-ended text. Nothing pins a choice down: each is sampled from a wide
-# distribution (top option ~0.3) whose logits add small random preferences for what the picture shows, for the
-# prompt and for the previous choice. So the VLM learns wide, input-dependent distributions, and its greedy
-# answer changes from picture to picture instead of collapsing onto one favourite story.
-CREATURE_ADJS = ("little", "old", "shy", "brave", "clever", "tired", "gentle", "lonely", "curious", "silver",
-                 "tiny", "wise")
+# Open-ended answers are dense with free choices, most of them in runs of three back to back ("the tiny shy fox"),
+# like the wide next-token distributions of real open-ended text. Nothing pins a choice down: each is sampled from
+# a wide distribution (top option ~0.3) whose logits add a random preference for the prompt and, for every cue
+# of the picture (a shape's colour, kind or cell), a random preference that depends on the previous choice. So
+# the VLM learns wide, input-dependent distributions whose favourite changes with the picture AND with what was
+# chosen before: an interaction of the context that is cheap to learn from thousands of samples and expensive to
+# guess from a few hundred greedy answers, as a draft head of real open-ended text must.
+SIZES = ("little", "tiny", "old", "young", "big", "small", "tall", "wise")
+CREATURE_ADJS = ("shy", "brave", "clever", "tired", "gentle", "lonely", "curious", "silver", "grey", "proud")
 CREATURES = ("fox", "crow", "bear", "mouse", "owl", "cat", "dragon", "robot", "sailor", "witch", "baker", "giant")
 THING_ADJS = ("glowing", "golden", "broken", "strange", "blue", "paper", "secret", "singing", "heavy", "wooden")
 THINGS = ("lantern", "key", "map", "door", "shell", "clock", "boat", "feather", "jar", "letter", "bell", "ring")
@@ -225,9 +227,9 @@ STORY_PROMPTS = ("Tell me a story.", "Write a short story.", "Make up a tale.", 
                  "Invent a little story.")
 CHAT_PROMPTS = ("How are you today?", "Tell me about yourself.", "Say something nice.", "What are your plans?",
                 "Chat with me for a moment.")
-# Logit scales (per cue): a scene has 1-3 shapes with 3 cues each; the total logit spread (~1.2) leaves every
-# slot's distribution wide (entropy ~1.5-2 nats).
-_SCENE_SCALE, _PREV_SCALE, _PROMPT_SCALE = 0.35, 0.6, 0.4
+# Logit scales: a scene has 1-3 shapes with 3 cues each; the total logit spread (~1.1) leaves every slot's
+# distribution wide (entropy ~1.5-2 nats).
+_CUE_SCALE, _PROMPT_SCALE = 0.42, 0.4
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,18 +240,20 @@ def _preference(slot: str, cue: str, n: int) -> tuple[float, ...]:
 
 
 class _Chooser:
-    """Samples one open-ended choice after another; each leans on the scene, the prompt and the previous choice."""
+    """Samples one open-ended choice after another; each leans on the prompt and on the scene's cues, in a way
+    that depends on the previous choice."""
 
     def __init__(self, rng: random.Random, shapes: list[Shape], prompt: str) -> None:
         self.rng, self.prompt, self.prev = rng, prompt, "start"
         self.scene_cues = [c for s in shapes for c in (f"colour={s.colour}", f"shape={s.shape}", f"cell={s.cell}")]
 
     def weights(self, slot: str, options: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[float]:
-        """Unnormalised weights ``slot`` is sampled with, given the scene, the prompt and the previous choice."""
+        """Unnormalised weights ``slot`` is sampled with, given the prompt, the scene and the previous choice."""
         n = len(options)
         logits = [_PROMPT_SCALE * x for x in _preference(slot, f"prompt={self.prompt}", n)]
-        for cue, scale in [(c, _SCENE_SCALE) for c in self.scene_cues] + [(f"prev={self.prev}", _PREV_SCALE)]:
-            logits = [l + scale * x for l, x in zip(logits, _preference(slot, cue, n))]
+        for cue in self.scene_cues:
+            pref = _preference(slot, f"{cue}|prev={self.prev}", n)
+            logits = [l + _CUE_SCALE * x for l, x in zip(logits, pref)]
         return [0.0 if o in exclude else math.exp(l) for o, l in zip(options, logits)]
 
     def probabilities(self, slot: str, options: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[float]:
@@ -262,31 +266,31 @@ class _Chooser:
         return self.prev
 
 
-def _a(word: str) -> str:
-    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
-
-
 def _story(choose: _Chooser) -> str:
     opening = choose("opening", OPENINGS)
-    a1, c1 = choose("adj1", CREATURE_ADJS), choose("who1", CREATURES)
-    a2, c2 = choose("adj2", CREATURE_ADJS), choose("who2", CREATURES, exclude=(c1,))
+    s1, a1, c1 = choose("size1", SIZES), choose("adj1", CREATURE_ADJS), choose("who1", CREATURES)
+    s2, a2 = choose("size2", SIZES), choose("adj2", CREATURE_ADJS)
+    c2 = choose("who2", CREATURES, exclude=(c1,))
     ta, t, where = choose("thing_adj", THING_ADJS), choose("thing", THINGS), choose("place", PLACES)
     m1 = choose("mood1", MOODS)
     m2 = choose("mood2", MOODS, exclude=(m1,))
     action, ending = choose("action", ACTIONS), choose("ending", ENDINGS)
-    return (f"{opening}, {_a(a1)} {c1} and {_a(a2)} {c2} found {_a(ta)} {t} {where}. The {c1} felt {m1} and the {c2} "
-            f"felt {m2}, so they {action} {ending}")
+    return (f"{opening}, the {s1} {a1} {c1} and the {s2} {a2} {c2} found the {ta} {t} {where}. The {c1} felt {m1} "
+            f"and the {c2} felt {m2}, so they {action} {ending}")
 
 
 def _chat(choose: _Chooser) -> str:
     m1 = choose("mood1", MOODS)
     m2 = choose("mood2", MOODS, exclude=(m1,))
-    la1, l1 = choose("like_adj1", LIKE_ADJS), choose("like1", LIKES)
-    la2, l2 = choose("like_adj2", LIKE_ADJS), choose("like2", LIKES, exclude=(l1,))
+    la1 = choose("like_adj1", LIKE_ADJS)
+    lb1, l1 = choose("like_adj2", LIKE_ADJS, exclude=(la1,)), choose("like1", LIKES)
+    la2 = choose("like_adj3", LIKE_ADJS)
+    lb2 = choose("like_adj4", LIKE_ADJS, exclude=(la2,))
+    l2 = choose("like2", LIKES, exclude=(l1,))
     p1 = choose("plan1", PLANS)
     p2 = choose("plan2", PLANS, exclude=(p1,))
-    return (f"Today I feel {m1} and a little {m2}. I like {la1} {l1} and {la2} {l2}, and later I will {p1} "
-            f"and {p2}.")
+    return (f"Today I feel {m1} and a little {m2}. I like {la1} {lb1} {l1} and {la2} {lb2} {l2}, and later I will "
+            f"{p1} and {p2}.")
 
 
 def make_open(rng: random.Random) -> Example:
@@ -341,6 +345,6 @@ def corpus(n_per_task: int = 300) -> list[str]:
             ex = train_example(task, i)
             texts += [ex.prompt, ex.answer]
     lexicon = [f'"{w}' for w in SIGN_WORDS] + [f" {w}" for w in ITEMS + tuple(SIGN_COLOURS)]
-    lexicon += [f" {w}" for words in (CREATURE_ADJS, CREATURES, THING_ADJS, THINGS, MOODS, LIKE_ADJS, LIKES, PLANS)
-                for w in words]
+    open_words = (SIZES, CREATURE_ADJS, CREATURES, THING_ADJS, THINGS, MOODS, LIKE_ADJS, LIKES, PLANS)
+    lexicon += [f" {w}" for words in open_words for w in words]
     return texts + lexicon * 40
