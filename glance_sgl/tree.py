@@ -82,27 +82,35 @@ def build_tree(
     n = min(budget, max_tree_size(depth_max, k))
     vals = topk_values.detach().float().cpu().tolist()
     ids = topk_ids.detach().cpu().tolist()
-    tokens = torch.empty(bs, n + 1, dtype=torch.long)
-    parents = torch.empty(bs, n + 1, dtype=torch.long)
-    depths = torch.empty(bs, n + 1, dtype=torch.long)
-    scores = torch.empty(bs, n + 1, dtype=torch.float32)
-    tokens[:, 0] = root_tokens.detach().cpu()
-    parents[:, 0], depths[:, 0], scores[:, 0] = -1, 0, 0.0
+    roots = root_tokens.detach().cpu().tolist()
+    # plain lists, one tensor each at the end: per-element tensor writes cost more than the whole search
+    tokens, parents, depths, scores = [], [], [], []
     for b in range(bs):
         v, t = vals[b], ids[b]
+        tok, par, dep, sco = [roots[b]], [-1], [0], [0.0]
         # heap entries: (-score, tie-break counter, parent row, depth, rank in the depth's top-k list)
         heap = [(-v[0][j], j, 0, 1, j) for j in range(k)]
         heapq.heapify(heap)
         counter = k
         for row in range(1, n + 1):
             neg, _, parent, d, j = heapq.heappop(heap)
-            tokens[b, row], parents[b, row], depths[b, row], scores[b, row] = t[d - 1][j], parent, d, -neg
+            tok.append(t[d - 1][j])
+            par.append(parent)
+            dep.append(d)
+            sco.append(-neg)
             if d < depth_max:
                 for jj in range(k):
                     heapq.heappush(heap, (neg - v[d][jj], counter, row, d + 1, jj))
                     counter += 1
+        tokens.append(tok)
+        parents.append(par)
+        depths.append(dep)
+        scores.append(sco)
     dev = topk_ids.device
-    return DraftTree(tokens.to(dev), parents.to(dev), depths.to(dev), scores.to(dev))
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(parents, dtype=torch.long, device=dev),
+        torch.tensor(depths, dtype=torch.long, device=dev), torch.tensor(scores, dtype=torch.float32, device=dev),
+    )
 
 
 def chain_tree(topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: torch.Tensor) -> DraftTree:
