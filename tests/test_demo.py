@@ -49,12 +49,13 @@ def test_text_answers_read_the_sign_and_name_its_colour():
 
 
 def test_open_choices_are_wide_and_lean_on_the_picture():
-    """Every free choice is sampled from a wide distribution that changes with the scene, so the greedy answer
-    differs from picture to picture (a VLM trained on it cannot collapse onto one favourite story)."""
+    """Every free choice is sampled from a wide distribution that changes with the scene and, for one scene, with
+    the previous choice, so the greedy answer differs from picture to picture (a VLM trained on it cannot
+    collapse onto one favourite story)."""
     import math
     import random
 
-    from glance_sgl.demo.tasks import CREATURES, _Chooser, draw_scene
+    from glance_sgl.demo.tasks import CREATURE_ADJS, CREATURES, _Chooser, draw_scene
 
     favourites, entropies = set(), []
     for i in range(20):
@@ -65,6 +66,12 @@ def test_open_choices_are_wide_and_lean_on_the_picture():
         favourites.add(CREATURES[max(range(len(p)), key=p.__getitem__)])
     assert min(entropies) > 1.0  # nats; uniform over 12 would be 2.48
     assert len(favourites) >= 4
+    chooser, after = _Chooser(random.Random(0), shapes, "Tell me a story."), set()
+    for adjective in CREATURE_ADJS:
+        chooser.prev = adjective
+        p = chooser.probabilities("who1", CREATURES)
+        after.add(CREATURES[max(range(len(p)), key=p.__getitem__)])
+    assert len(after) >= 4
     answers = {train_example("open", i).answer for i in range(30)}
     assert len(answers) == 30
 
