@@ -50,8 +50,8 @@ def test_text_answers_read_the_sign_and_name_its_colour():
 
 def test_open_choices_are_wide_and_lean_on_the_picture():
     """Every free choice is sampled from a wide distribution that changes with the scene and, for one scene, with
-    the previous choice, so the greedy answer differs from picture to picture (a VLM trained on it cannot
-    collapse onto one favourite story)."""
+    the previous choice, so the most likely answer differs from picture to picture and no single story dominates
+    the training data."""
     import math
     import random
 

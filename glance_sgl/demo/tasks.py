@@ -202,9 +202,10 @@ def make_document(rng: random.Random) -> Example:
 # like the wide next-token distributions of real open-ended text. Nothing pins a choice down: each is sampled from
 # a wide distribution (top option ~0.3) whose logits add a random preference for the prompt and, for every cue
 # of the picture (a shape's colour, kind or cell), a random preference that depends on the previous choice. So
-# the VLM learns wide, input-dependent distributions whose favourite changes with the picture AND with what was
-# chosen before: an interaction of the context that is cheap to learn from thousands of samples and expensive to
-# guess from a few hundred greedy answers, as a draft head of real open-ended text must.
+# the sampled answers follow wide, input-dependent distributions whose favourite changes with the picture AND with
+# what was chosen before (an interaction meant to be learnable from thousands of samples but not from the few
+# hundred greedy answers a draft head is distilled on). The bundled VLM learns the prompt's pull better than the
+# picture's, so its greedy stories are more alike than the sampled ones (README).
 SIZES = ("little", "tiny", "old", "young", "big", "small", "tall", "wise")
 CREATURE_ADJS = ("shy", "brave", "clever", "tired", "gentle", "lonely", "curious", "silver", "grey", "proud")
 CREATURES = ("fox", "crow", "bear", "mouse", "owl", "cat", "dragon", "robot", "sailor", "witch", "baker", "giant")
