@@ -57,20 +57,22 @@ def test_open_choices_are_wide_and_lean_on_the_picture():
 
     from glance_sgl.demo.tasks import CREATURE_ADJS, CREATURES, _Chooser, draw_scene
 
+    def favourite(p: list[float]) -> str:
+        return CREATURES[max(range(len(p)), key=p.__getitem__)]
+
     favourites, entropies = set(), []
     for i in range(20):
         _, shapes = draw_scene(random.Random(f"scene:{i}"))
         p = _Chooser(random.Random(0), shapes, "Tell me a story.").probabilities("who1", CREATURES)
         assert abs(sum(p) - 1.0) < 1e-9
         entropies.append(-sum(q * math.log(q) for q in p if q > 0))
-        favourites.add(CREATURES[max(range(len(p)), key=p.__getitem__)])
+        favourites.add(favourite(p))
     assert min(entropies) > 1.0  # nats; uniform over 12 would be 2.48
     assert len(favourites) >= 4
     chooser, after = _Chooser(random.Random(0), shapes, "Tell me a story."), set()
     for adjective in CREATURE_ADJS:
         chooser.prev = adjective
-        p = chooser.probabilities("who1", CREATURES)
-        after.add(CREATURES[max(range(len(p)), key=p.__getitem__)])
+        after.add(favourite(chooser.probabilities("who1", CREATURES)))
     assert len(after) >= 4
     answers = {train_example("open", i).answer for i in range(30)}
     assert len(answers) == 30
