@@ -167,4 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m glance_sgl.cli` runs this file as __main__; subcommands raise glance_sgl.cli.CLIError, a
+    # different class from __main__.CLIError, so dispatch through the imported module
+    from glance_sgl.cli import main as package_main
+
+    sys.exit(package_main())

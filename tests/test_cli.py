@@ -71,3 +71,17 @@ def test_generate_rejects_a_non_image(saved, tmp_path):
     assert proc.returncode == 2 and "not a readable image" in proc.stderr
     proc = run_glance("generate", "--model", str(tmp_path), "--prompt", "hi", "--ar")
     assert proc.returncode == 2 and "config.json" in proc.stderr
+
+
+def test_distill_cli_samples_and_rejects_bad_temperature(saved, tmp_path):
+    model, _, image = saved
+    data = tmp_path / "requests.jsonl"
+    data.write_text(json.dumps({"image": image, "prompt": "tell me a story", "task": "open"}) + "\n")
+    proc = run_glance("distill", "--target", model, "--data", str(data), "--out", str(tmp_path / "bad"),
+                      "--temperature", "-0.5")
+    assert proc.returncode == 2 and "--temperature" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_glance("distill", "--target", model, "--data", str(data), "--out", str(tmp_path / "d"),
+                      "--max-new-tokens", "6", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((tmp_path / "d" / "distill.json").read_text())
+    assert meta["sequences"] == 1 and meta["temperature"] == 1.0 and meta["seed"] == 3

@@ -33,6 +33,24 @@ def test_distill_data_round_trip(distilled):
     assert 0 < seq.answer_start < len(seq.ids)
 
 
+def test_sampled_distillation_is_seeded_and_samples(targets, tmp_path):
+    """Sampled answers repeat with the same seed, change with another, and differ from the greedy ones."""
+    engine = GlanceEngine(targets["qwen2_5_vl"], None, mode="ar")
+    requests = [("demo", m) for m in make_prompts(4, seed=43)]
+
+    def answers(name: str, **kw) -> list[list[int]]:
+        build_distill_data(engine, requests, tmp_path / name, taps=[1], max_new_tokens=12, progress=False, **kw)
+        return [seq.ids[seq.answer_start:].tolist() for seq in DistillDataset(tmp_path / name)]
+
+    greedy = answers("greedy")
+    first, again = answers("s0", temperature=1.0, seed=5), answers("s0b", temperature=1.0, seed=5)
+    other = answers("s1", temperature=1.0, seed=6)
+    assert first == again
+    assert first != other and first != greedy
+    with pytest.raises(ValueError, match="temperature"):
+        answers("bad", temperature=-1.0)
+
+
 def test_block_batch_follows_the_recipe():
     ids = torch.arange(100, 112)  # T = 12, answer from index 8
     seq = DistillSequence(ids=ids, taps=torch.randn(12, 4), answer_start=8, task="x")

@@ -2,7 +2,7 @@
 
 Stages (each skipped when its output exists, so an interrupted build resumes):
 1. train the demo VLM (``WORK/target``), report its accuracy per grounded task;
-2. self-distillation data: the VLM's greedy answers + tap features (``WORK/distill``);
+2. self-distillation data: the VLM's answers sampled at temperature 1 (seeded) + tap features (``WORK/distill``);
 3. train the drafter (``WORK/drafter``, checkpoints in ``WORK/drafter/checkpoint``), report tau per task;
 4. install both into the package's assets (weights in float32), unless ``--no-install``.
 """
@@ -26,6 +26,7 @@ DISTILL_PER_TASK = 300
 class DemoRecipe:
     target: TargetRecipe
     distill_per_task: int = DISTILL_PER_TASK
+    distill_temperature: float = 1.0  # sampled answers: the drafter learns the VLM's distribution (train/data.py)
     drafter_steps: int = 1000
     drafter_layers: int = 2
     block_size: int = 16
@@ -76,7 +77,7 @@ def build_demo(work_dir: str | Path, recipe: DemoRecipe | None = None, install: 
         requests = ((task, train_example(task, i).messages()) for i in range(recipe.distill_per_task)
                     for task in TASKS)
         build_distill_data(ar_engine, requests, distill_dir, taps=taps, total=recipe.distill_per_task * len(TASKS),
-                           progress=progress)
+                           progress=progress, temperature=recipe.distill_temperature, seed=recipe.seed)
     timings["distill_s"] = time.time() - t0
 
     t0 = time.time()

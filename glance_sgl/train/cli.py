@@ -38,7 +38,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     engine = GlanceEngine.load(args.target, None, device=args.device)
     cfg = DrafterTrainConfig(num_layers=args.layers, num_taps=args.taps)
     taps = new_drafter_for(engine.target, cfg).config.tap_layers
-    build_distill_data(engine, read_requests(args.data), args.out, taps=taps, max_new_tokens=args.max_new_tokens)
+    if args.temperature < 0:
+        raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
+    build_distill_data(engine, read_requests(args.data), args.out, taps=taps, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, seed=args.seed)
     print(f"wrote {args.out} (tap layers {taps})")
     return 0
 
@@ -58,13 +61,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("distill", help="self-distillation data: the target's greedy answers + tap features")
+    d = sub.add_parser("distill", help="self-distillation data: the target's answers + tap features")
     d.add_argument("--target", required=True, help="Hugging Face Qwen2.5-VL / Qwen2-VL directory")
     d.add_argument("--data", required=True, help='JSONL of {"image": PATH, "prompt": TEXT}')
     d.add_argument("--out", required=True)
     d.add_argument("--layers", type=int, default=1, help="drafter layers (fixes the default taps)")
     d.add_argument("--taps", type=int, default=None, help="number of tap layers (default: = layers)")
     d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--temperature", type=float, default=1.0,
+                   help="sample the target's answers at this temperature (0: greedy answers)")
+    d.add_argument("--seed", type=int, default=0, help="request i is sampled with seed SEED + i")
     d.add_argument("--device", default="cpu")
     d.set_defaults(func=cmd_distill)
 

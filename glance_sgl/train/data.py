@@ -1,7 +1,12 @@
-"""Self-distillation data: the target's own greedy answers and its tap-layer features, cached on disk.
+"""Self-distillation data: the target's own answers and its tap-layer features, cached on disk.
 
-For each (image(s), prompt) the target answers greedily (the engine's AR path); then one pass over prompt +
-answer captures the tap-layer outputs of every token. Shards are safetensors files:
+For each (image(s), prompt) the target answers (the engine's AR path: greedy, or sampled at ``temperature`` with
+a per-request seed); then one pass over prompt + answer captures the tap-layer outputs of every token.
+
+Why sample: where the target's next token is nearly a coin toss (stories, chat), its greedy pick is decided by
+small logit gaps that a drafter trained on greedy answers learns to copy from the prompt. Trained on samples, the
+drafter learns the target's distribution instead, so its confidence follows the target's entropy; where the
+target is sure (reading, counting) samples and greedy answers agree. Shards are safetensors files:
 ``ids`` (int32, all sequences concatenated), ``taps`` (float16, [sum T, L*H]), ``offsets`` [N+1],
 ``answer_starts`` [N]; a ``shard_XXXX.json`` sidecar names each sequence's task.
 """
@@ -44,9 +49,11 @@ def with_answer(prompt: PreparedPrompt, answer_ids: list[int]) -> PreparedPrompt
 
 @torch.no_grad()
 def distill_one(engine: GlanceEngine, messages: list[dict[str, Any]], taps: list[int],
-                max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(ids [T], taps [T, L*H], answer_start) for one request, answered greedily by the target."""
-    answer = engine.generate(messages, SamplingParams(max_tokens=max_new_tokens), mode="ar").token_ids
+                max_new_tokens: int, temperature: float = 0.0,
+                seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(ids [T], taps [T, L*H], answer_start) for one request answered by the target (greedy at temperature 0)."""
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    answer = engine.generate(messages, params, mode="ar").token_ids
     target: TargetAdapter = engine.target
     prompt = target.prepare(messages)
     full = with_answer(prompt, answer)
@@ -63,8 +70,15 @@ def build_distill_data(
     shard_size: int = 256,
     total: int | None = None,
     progress: bool = True,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Path:
-    """Answer ``requests`` ((task, messages) pairs) with the target and write shards to ``out_dir``."""
+    """Answer ``requests`` ((task, messages) pairs) with the target and write shards to ``out_dir``.
+
+    ``temperature`` > 0 samples each answer with seed ``seed + index`` (reproducible); 0 answers greedily.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -92,14 +106,15 @@ def build_distill_data(
     count = 0
     for task, messages in tqdm(requests, total=total, desc="self-distillation", disable=not progress,
                                dynamic_ncols=True):
-        ids, feats, start = distill_one(engine, messages, taps, max_new_tokens)
+        ids, feats, start = distill_one(engine, messages, taps, max_new_tokens, temperature, seed + count)
         buf.append((ids, feats, start, task))
         count += 1
         if len(buf) >= shard_size:
             flush()
     flush()
     (out / META).write_text(json.dumps({"sequences": count, "shards": shards, "tap_layers": taps,
-                                        "max_new_tokens": max_new_tokens}, indent=2))
+                                        "max_new_tokens": max_new_tokens, "temperature": temperature,
+                                        "seed": seed}, indent=2))
     return out
 
 
