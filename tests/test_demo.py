@@ -128,6 +128,17 @@ def test_bundled_checkpoints_name_chart_kinds(bundled):
     assert hits >= 9, f"only {hits}/{len(charts)} chart kinds named correctly"
 
 
+def test_bundled_drafter_accepts_long_blocks_where_the_picture_decides(bundled):
+    """Tau (committed tokens per round) of the bundled pair: long blocks on forms and signs, short ones on stories
+    (the drafter learned the VLM's distribution there, not its greedy picks). `glance bench` measures speed."""
+    from glance_sgl.train.trainer import evaluate_tau
+
+    tau = evaluate_tau(bundled, {t: [ex.messages() for ex in eval_set(t)[:4]] for t in ("document", "text", "open")},
+                       max_tokens=64, progress=False)
+    assert tau["document"] >= 6 and tau["text"] >= 4, tau
+    assert tau["open"] < min(tau["document"], tau["text"]) - 1, tau
+
+
 def test_make_serve_example_is_answered_as_printed(bundled):
     from glance_server.example import example
 

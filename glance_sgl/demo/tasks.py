@@ -204,8 +204,9 @@ def make_document(rng: random.Random) -> Example:
 # of the picture (a shape's colour, kind or cell), a random preference that depends on the previous choice. So
 # the sampled answers follow wide, input-dependent distributions whose favourite changes with the picture AND with
 # what was chosen before (an interaction meant to be learnable from thousands of samples but not from the few
-# hundred greedy answers a draft head is distilled on). The bundled VLM learns the prompt's pull better than the
-# picture's, so its greedy stories are more alike than the sampled ones (README).
+# hundred answers a draft head is distilled on). The bundled VLM learns the prompt's pull better than the
+# picture's, so its greedy stories are more alike than the sampled ones; the drafter is distilled on its sampled
+# answers so that it learns its distribution, not its greedy picks (README).
 SIZES = ("little", "tiny", "old", "young", "big", "small", "tall", "wise")
 CREATURE_ADJS = ("shy", "brave", "clever", "tired", "gentle", "lonely", "curious", "silver", "grey", "proud")
 CREATURES = ("fox", "crow", "bear", "mouse", "owl", "cat", "dragon", "robot", "sailor", "witch", "baker", "giant")
