@@ -29,17 +29,19 @@ def read_requests(path: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
 
 def cmd_distill(args: argparse.Namespace) -> int:
     from ..cli import CLIError
-    from ..engine import GlanceEngine
+    from ..engine import GlanceEngine, RequestError, SamplingParams
     from .data import build_distill_data
     from .trainer import DrafterTrainConfig, new_drafter_for
 
     if not Path(args.data).is_file():
         raise CLIError(f"--data {args.data}: no such file")
+    try:
+        SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature).validate()
+    except RequestError as exc:
+        raise CLIError(f"--temperature / --max-new-tokens: {exc}") from exc
     engine = GlanceEngine.load(args.target, None, device=args.device)
     cfg = DrafterTrainConfig(num_layers=args.layers, num_taps=args.taps)
     taps = new_drafter_for(engine.target, cfg).config.tap_layers
-    if args.temperature < 0:
-        raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
     build_distill_data(engine, read_requests(args.data), args.out, taps=taps, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, seed=args.seed)
     print(f"wrote {args.out} (tap layers {taps})")

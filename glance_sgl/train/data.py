@@ -70,15 +70,15 @@ def build_distill_data(
     shard_size: int = 256,
     total: int | None = None,
     progress: bool = True,
-    temperature: float = 0.0,
+    temperature: float = 1.0,
     seed: int = 0,
 ) -> Path:
     """Answer ``requests`` ((task, messages) pairs) with the target and write shards to ``out_dir``.
 
     ``temperature`` > 0 samples each answer with seed ``seed + index`` (reproducible); 0 answers greedily.
+    Raises :class:`~glance_sgl.engine.RequestError` (a ValueError) for a temperature the engine refuses.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    SamplingParams(max_tokens=max_new_tokens, temperature=temperature).validate()
     from safetensors.torch import save_file
     from tqdm import tqdm
 
