@@ -139,7 +139,7 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
         # always runs first (or right after another) on a machine whose speed drifts
         runs = {mode: engine.generate(messages, params, mode=mode) for mode in modes[i % 3:] + modes[:i % 3]}
         ar, gl, ch = runs["ar"], runs["glance"], runs["chain"]
-        for name, r in (("ar", ar), ("glance", gl), ("chain", ch)):
+        for name, r in runs.items():
             m = r.metrics
             res.totals[name].add(m.decode_ms, m.decode_tokens, m.prefill_ms + m.decode_ms)
         res.prompts += 1

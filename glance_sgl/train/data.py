@@ -49,8 +49,8 @@ def with_answer(prompt: PreparedPrompt, answer_ids: list[int]) -> PreparedPrompt
 
 @torch.no_grad()
 def distill_one(engine: GlanceEngine, messages: list[dict[str, Any]], taps: list[int],
-                max_new_tokens: int, temperature: float = 0.0,
-                seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                max_new_tokens: int, temperature: float,
+                seed: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(ids [T], taps [T, L*H], answer_start) for one request answered by the target (greedy at temperature 0)."""
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
     answer = engine.generate(messages, params, mode="ar").token_ids
