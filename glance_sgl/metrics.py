@@ -35,19 +35,50 @@ class RequestMetrics:
     committed_per_round: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
     root_entropies: list[float] = field(default_factory=list)
+    rows_per_round: list[int] = field(default_factory=list)
+    predicted_per_round: list[float] = field(default_factory=list)
+    drafter_passes: int = 0
+    planner: str | None = None
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
 
-    def record_round(self, drafted: int, accepted: int, committed: int, root_entropy: float | None) -> None:
-        """One verification round: ``drafted`` tree nodes, ``accepted`` of them, ``committed`` tokens kept
-        (accepted + bonus, less any truncation at a stop condition)."""
+    def record_round(self, drafted: int, accepted: int, committed: int, root_entropy: float | None,
+                     predicted: float | None = None, drafter_ran: bool | None = None) -> None:
+        """One verification round: ``drafted`` tree nodes (the pass verified ``drafted + 1`` rows), ``accepted`` of
+        them, ``committed`` tokens kept (accepted + bonus, less any truncation at a stop condition).
+        ``predicted``: the tokens the planner expected the round to commit (None: no planner);
+        ``drafter_ran``: whether a drafter pass preceded it (default: whether anything was drafted)."""
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.accept_lengths.append(accepted)
         self.committed_per_round.append(committed)
+        self.rows_per_round.append(drafted + 1)
+        if predicted is not None:
+            self.predicted_per_round.append(float(predicted))
+        if drafter_ran if drafter_ran is not None else drafted > 0:
+            self.drafter_passes += 1
         if root_entropy is not None:
             self.root_entropies.append(root_entropy)
+
+    @property
+    def rounds_without_drafting(self) -> int:
+        """Rounds that ran no drafter pass (plain AR steps chosen by the planner, or the AR mode)."""
+        return self.rounds - self.drafter_passes
+
+    @property
+    def rows_histogram(self) -> dict[str, int]:
+        """Rows verified per round (root included; 1 = an AR step) -> number of rounds."""
+        hist: dict[int, int] = {}
+        for r in self.rows_per_round:
+            hist[r] = hist.get(r, 0) + 1
+        return {str(k): hist[k] for k in sorted(hist)}
+
+    @property
+    def predicted_tokens_per_round(self) -> float | None:
+        """Mean tokens per round the planner predicted (compare with ``tau``); None without a planner."""
+        p = self.predicted_per_round
+        return sum(p) / len(p) if p else None
 
     @property
     def tau(self) -> float:
@@ -103,8 +134,14 @@ class RequestMetrics:
             "decode_ms_per_token": self.decode_ms_per_token,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "mean_root_entropy": None if math.isnan(self.mean_root_entropy) else self.mean_root_entropy,
+            "planner": self.planner,
+            "rows_histogram": self.rows_histogram,
+            "rounds_without_drafting": self.rounds_without_drafting,
+            "predicted_tokens_per_round": self.predicted_tokens_per_round,
         }
         if per_round:
+            out["rows_per_round"] = list(self.rows_per_round)
+            out["predicted_per_round"] = list(self.predicted_per_round)
             out["committed_per_round"] = list(self.committed_per_round)
             out["accept_lengths"] = list(self.accept_lengths)
             out["root_entropies"] = list(self.root_entropies)

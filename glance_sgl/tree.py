@@ -41,6 +41,13 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1] - 1
 
+    def prefix(self, rows: int) -> "DraftTree":
+        """The first ``rows`` rows (root included): a best-first tree's prefix is the best-first tree of budget
+        ``rows - 1``, prefix-closed because parents precede children."""
+        if rows >= self.num_rows:
+            return self
+        return DraftTree(self.tokens[:, :rows], self.parents[:, :rows], self.depths[:, :rows], self.scores[:, :rows])
+
     def ancestor_mask(self) -> torch.Tensor:
         return ancestor_mask(self.parents)
 

@@ -1,0 +1,457 @@
+"""Cost-aware planning of speculative rounds: how many tree nodes to verify, or none at all.
+
+Engine-agnostic (torch and numbers; no Hugging Face or SGLang types). Both engines call it the same way:
+
+1. before the drafter pass, :meth:`Planner.gate` says whether drafting pays this round for a batch, from signals
+   that cost nothing: each request's *lead entropy* (the entropy, nats, of the target distribution that produced
+   the round's root token; the previous verify or AR pass computed it) through an online entropy table, scaled by
+   the request's own recent yield; a request that stopped drafting is probed again after a back-off interval;
+2. after the drafter pass, :meth:`Planner.choose` picks the number of nodes ``n`` (0 = a plain AR step) that
+   maximises expected committed tokens per millisecond. A best-first tree of budget ``n`` is the first ``n`` nodes
+   of the best-first tree of any larger budget, so one tree of the largest budget gives every candidate: node i's
+   acceptance probability is ``exp(score_i + C[depth_i])`` (the drafter's path probability with a per-depth
+   calibration ``C``), and the expected accepted drafts of budget ``n`` are the sum over its first ``n`` nodes;
+3. after the verify pass, :meth:`Planner.observe` feeds back what was accepted (per-depth calibration, entropy
+   table, per-request yield) and how long the passes took (the :class:`CostModel`).
+
+The cost model holds milliseconds of the target's pass as a function of the rows it processes (batch size x rows
+per request, piecewise linear between calibrated points) and of the drafter pass by batch size. It is calibrated
+at start-up by the engine (:func:`calibrate`), cached per device + model (:func:`load_costs` /
+:func:`save_costs`) and refined online from real rounds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Literal, Sequence
+
+import torch
+
+PlannerMode = Literal["auto", "fixed"]
+PLANNER_MODES = ("auto", "fixed")
+
+# Entropy bins (nats) of the entropy table; the last bin is open-ended.
+ENTROPY_EDGES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 1.6, 2.5)
+ONLINE_RATE = 0.1  # weight of one timing observation in the cost model
+MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 64
+TREND = 0.7  # decay per drafted round of a request's yield sums (its last few rounds dominate)
+
+
+# ---------------------------------------------------------------------------------------------------- costs
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation; linear extrapolation past the ends (never below 0)."""
+    if len(xs) == 1:
+        return ys[0] * max(x, 1.0) / max(xs[0], 1.0)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+@dataclass
+class CostModel:
+    """Milliseconds of the target's pass by total rows and of the drafter pass by batch size.
+
+    ``verify_rows`` / ``verify_ms``: ascending total rows (batch size x rows per request) and the pass's ms there;
+    ``draft_batch`` / ``draft_ms``: ascending batch sizes and the drafter pass's ms (one block per request).
+    ``overhead_ms``: per-round host work of a drafting round besides the two passes (tree, mask, walk, keep).
+    """
+
+    verify_rows: list[int]
+    verify_ms_at: list[float]
+    draft_batch: list[int]
+    draft_ms_at: list[float]
+    overhead_ms: float = 0.0
+    key: str = ""
+
+    def verify_ms(self, rows: int, batch: int = 1) -> float:
+        """The target's pass over ``rows`` rows for each of ``batch`` requests (1 row = an AR step)."""
+        return _interp(self.verify_rows, self.verify_ms_at, float(rows * batch))
+
+    def draft_ms(self, batch: int = 1) -> float:
+        return _interp(self.draft_batch, self.draft_ms_at, float(batch))
+
+    def ar_ms(self, batch: int = 1) -> float:
+        return self.verify_ms(1, batch)
+
+    def round_ms(self, nodes: int, batch: int = 1) -> float:
+        """A drafting round verifying ``nodes`` nodes per request (0 nodes still pays the drafter pass)."""
+        return self.draft_ms(batch) + self.verify_ms(nodes + 1, batch) + self.overhead_ms
+
+    @staticmethod
+    def _refine(xs: list[int], ys: list[float], x: float, ms: float) -> None:
+        pred = _interp(xs, ys, x)
+        if pred <= 0 or not math.isfinite(ms) or ms <= 0:
+            return
+        ratio = min(max(ms / pred, 0.5), 2.0)  # one slow round (GC, a noisy neighbour) moves little
+        if len(xs) == 1:
+            ys[0] *= 1 + ONLINE_RATE * (ratio - 1)
+            return
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        w1 = min(max((x - xs[i - 1]) / (xs[i] - xs[i - 1]), 0.0), 1.0)
+        for j, w in ((i - 1, 1.0 - w1), (i, w1)):
+            ys[j] *= 1 + ONLINE_RATE * w * (ratio - 1)
+
+    def observe_verify(self, rows: int, batch: int, ms: float) -> None:
+        """Refine the target-pass curve near ``rows * batch`` from one measured pass."""
+        self._refine(self.verify_rows, self.verify_ms_at, float(rows * batch), ms)
+
+    def observe_draft(self, batch: int, ms: float) -> None:
+        self._refine(self.draft_batch, self.draft_ms_at, float(batch), ms)
+
+    def observe_overhead(self, ms: float) -> None:
+        if math.isfinite(ms) and ms >= 0:
+            self.overhead_ms += ONLINE_RATE * (min(ms, 4 * self.overhead_ms + 1.0) - self.overhead_ms)
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "verify_rows": list(self.verify_rows), "verify_ms": list(self.verify_ms_at),
+                "draft_batch": list(self.draft_batch), "draft_ms": list(self.draft_ms_at),
+                "overhead_ms": self.overhead_ms}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls([int(x) for x in d["verify_rows"]], [float(x) for x in d["verify_ms"]],
+                   [int(x) for x in d["draft_batch"]], [float(x) for x in d["draft_ms"]],
+                   float(d.get("overhead_ms", 0.0)), str(d.get("key", "")))
+
+
+def default_row_grid(max_rows: int) -> list[int]:
+    """Total-row points to calibrate at: 1, 2, 4, 8, ... up to ``max_rows`` (always included)."""
+    grid, r = [], 1
+    while r < max_rows:
+        grid.append(r)
+        r *= 2
+    grid.append(max_rows)
+    return sorted(set(grid))
+
+
+def _median_ms(fn: Callable[[], None], repeats: int) -> float:
+    import time
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def calibrate(
+    run_verify: Callable[[int, int], None],
+    run_draft: Callable[[int], None],
+    row_grid: Iterable[tuple[int, int]],
+    batch_grid: Iterable[int],
+    repeats: int = 7,
+    key: str = "",
+) -> CostModel:
+    """Measure a cost model. ``run_verify(rows, batch)`` runs one target pass of ``rows`` rows for each of
+    ``batch`` requests; ``run_draft(batch)`` one drafter pass. ``row_grid``: (rows, batch) pairs, their products
+    being the curve's points (one warm-up call each, then the median of ``repeats``)."""
+    points: dict[int, float] = {}
+    for rows, batch in row_grid:
+        run_verify(rows, batch)
+        points[rows * batch] = _median_ms(lambda: run_verify(rows, batch), repeats)
+    xs = sorted(points)
+    ys = [points[x] for x in xs]
+    for i in range(1, len(ys)):  # a pass over more rows never costs less (noise aside)
+        ys[i] = max(ys[i], ys[i - 1])
+    dpoints: dict[int, float] = {}
+    for batch in batch_grid:
+        run_draft(batch)
+        dpoints[batch] = _median_ms(lambda: run_draft(batch), repeats)
+    bs = sorted(dpoints)
+    return CostModel(xs, ys, bs, [dpoints[b] for b in bs], 0.0, key)
+
+
+def cost_key(*parts: object) -> str:
+    """A short stable key for a (device, model, threads, ...) combination."""
+    return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:16]
+
+
+def cost_cache_dir() -> Path | None:
+    """Where calibrations are cached: ``$GLANCE_COST_CACHE`` (``off`` disables), else ~/.cache/glance_sgl/costs."""
+    env = os.environ.get("GLANCE_COST_CACHE")
+    if env is not None and env.strip().lower() in ("", "0", "off", "none"):
+        return None
+    return Path(env) if env else Path.home() / ".cache" / "glance_sgl" / "costs"
+
+
+def load_costs(key: str) -> CostModel | None:
+    directory = cost_cache_dir()
+    if directory is None:
+        return None
+    path = directory / f"{key}.json"
+    try:
+        model = CostModel.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return model if model.key == key else None
+
+
+def save_costs(model: CostModel) -> Path | None:
+    directory = cost_cache_dir()
+    if directory is None or not model.key:
+        return None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{model.key}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(model.to_dict()))
+        tmp.replace(path)
+        return path
+    except OSError:
+        return None  # a read-only home is not an error: calibration just runs again next start
+
+
+# ---------------------------------------------------------------------------------------------------- acceptance
+class DepthCalibration:
+    """Per-depth factor between the drafter's conditional probability of a child and how often the target takes it.
+
+    At depth d, over rounds whose walk reached depth d-1: ``predicted[d]`` sums the drafter's conditional
+    probabilities of the tree's children of the path node (the chance, by the drafter, that the walk goes on),
+    ``hits[d]`` counts rounds where it did. ``factor[d] = hits / predicted`` (decayed sums with a prior of one
+    round at factor 1). Node i's acceptance probability is then ``exp(score_i) * prod_{d <= depth_i} factor[d]``.
+    """
+
+    def __init__(self, max_depth: int, decay: float = 0.995, prior: float = 1.0) -> None:
+        self.max_depth = max_depth
+        self.decay = decay
+        self.predicted = torch.full((max_depth + 1,), prior, dtype=torch.float64)
+        self.hits = torch.full((max_depth + 1,), prior, dtype=torch.float64)
+
+    def log_cumulative(self) -> torch.Tensor:
+        """[max_depth + 1] float32: ``C[d] = sum_{1..d} log factor``, C[0] = 0."""
+        factor = (self.hits / self.predicted).clamp(1e-3, 1e3)
+        logf = factor.log()
+        logf[0] = 0.0
+        return torch.cumsum(logf, 0).float()
+
+    def node_probs(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """Calibrated acceptance probability of every row, [B, R] (1 at the root), capped at 1."""
+        c = self.log_cumulative().to(scores.device)
+        return torch.exp(scores.float() + c[depths.clamp(max=self.max_depth)]).clamp(max=1.0)
+
+    def observe(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
+                accepted_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        """One verified batch of trees ([B, R] each; ``accepted_rows`` [B, >=1] with -1 padding, [B] lengths)."""
+        bs, r = parents.shape
+        dev = parents.device
+        on_path = torch.zeros(bs, r + 1, dtype=torch.bool, device=dev)
+        rows = accepted_rows.to(dev).clamp(min=-1)
+        on_path.scatter_(1, torch.where(rows >= 0, rows, r), True)
+        on_path = on_path[:, :r]
+        parent_on_path = on_path.gather(1, parents.clamp(min=0)) & (parents >= 0)
+        # a parent on the path that is the path's last node: its children were the walk's chance to go on
+        cond = torch.exp(scores.float() - scores.float().gather(1, parents.clamp(min=0))) * parent_on_path
+        pred = torch.zeros(bs, self.max_depth + 2, dtype=torch.float64, device=dev)
+        pred.scatter_add_(1, depths.clamp(max=self.max_depth + 1), cond.double())
+        reach = torch.arange(self.max_depth + 2, device=dev)[None, :] <= accept_lens.to(dev)[:, None]
+        hit = reach.double()
+        hit[:, 0] = 0.0
+        self.predicted.mul_(self.decay).add_(pred.sum(0)[: self.max_depth + 1].cpu())
+        self.hits.mul_(self.decay).add_(hit.sum(0)[: self.max_depth + 1].cpu())
+
+
+class EntropyTable:
+    """Accepted drafts per round by the round's lead entropy (decayed means per bin, with a prior).
+
+    The prior is an entropy law ``a = exp(b0 - b1 * H)`` (design §1) worth ``prior_weight`` rounds per bin.
+    """
+
+    def __init__(self, max_accept: int, b0: float = 1.5, b1: float = 2.0, prior_weight: float = 2.0,
+                 decay: float = 0.99) -> None:
+        mids = [ENTROPY_EDGES[0] / 2] + [(a + b) / 2 for a, b in zip(ENTROPY_EDGES, ENTROPY_EDGES[1:])] + \
+               [ENTROPY_EDGES[-1] * 1.3]
+        prior = [min(math.exp(b0 - b1 * h), max_accept) for h in mids]
+        self.weight = [prior_weight] * len(mids)
+        self.total = [p * prior_weight for p in prior]
+        self.decay = decay
+
+    @staticmethod
+    def bin(entropy: float) -> int:
+        return bisect.bisect_right(ENTROPY_EDGES, entropy)
+
+    def expected(self, entropy: float) -> float:
+        i = self.bin(entropy)
+        return self.total[i] / self.weight[i]
+
+    def observe(self, entropy: float, accepted: float) -> None:
+        i = self.bin(entropy)
+        self.weight[i] = self.weight[i] * self.decay + 1.0
+        self.total[i] = self.total[i] * self.decay + float(accepted)
+
+
+@dataclass
+class RequestPlanState:
+    """What the planner keeps per request: its yield relative to predictions, and its probe back-off.
+
+    ``gate_ratio``: actual / entropy-table-predicted accepted drafts (decayed sums with a prior of one round at
+    1); ``tree_ratio``: the same against the tree-based prediction; ``ar_streak``: consecutive rounds without
+    drafting; ``probe_interval``: rounds without drafting before the next probe.
+    """
+
+    gate_actual: float = 1.0
+    gate_pred: float = 1.0
+    tree_actual: float = 1.0
+    tree_pred: float = 1.0
+    ar_streak: int = 0
+    probe_interval: int = MIN_PROBE_INTERVAL
+    last_nodes: int = -1
+
+    @property
+    def gate_ratio(self) -> float:
+        return self.gate_actual / self.gate_pred
+
+    @property
+    def tree_ratio(self) -> float:
+        return min(self.tree_actual / self.tree_pred, 1.5)
+
+
+# ---------------------------------------------------------------------------------------------------- policy
+@dataclass
+class Plan:
+    """The planner's pick for one batch: ``nodes`` per request (0 = a plain AR step), what it expects to commit
+    per request (``expected_tokens``, bonus included) and what the round should cost (``expected_ms``)."""
+
+    nodes: int
+    expected_tokens: list[float]
+    expected_ms: float
+    drafted: bool = True
+    raw_accept: list[float] = field(default_factory=list)  # tree-predicted accepted drafts before tree_ratio
+
+
+@dataclass
+class Planner:
+    """Per-round tree sizes from a cost model and an acceptance predictor (see the module docstring).
+
+    ``max_nodes``: the largest tree (nodes per request) the engine can verify; ``fixed_nodes``: the tree of
+    ``mode="fixed"`` (today's behaviour: always draft, always that many nodes). ``max_depth``: deepest node.
+    """
+
+    costs: CostModel
+    max_nodes: int
+    max_depth: int
+    mode: PlannerMode = "auto"
+    fixed_nodes: int | None = None
+    margin: float = 1.02  # drafting must beat AR by this factor, so noise does not make it flap
+    depth: DepthCalibration = field(init=False)
+    entropy: EntropyTable = field(init=False)
+    requests: dict[object, RequestPlanState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLANNER_MODES:
+            raise ValueError(f"planner must be one of {PLANNER_MODES}, got {self.mode!r}")
+        self.fixed_nodes = self.max_nodes if self.fixed_nodes is None else min(self.fixed_nodes, self.max_nodes)
+        self.depth = DepthCalibration(self.max_depth)
+        self.entropy = EntropyTable(self.max_depth)
+
+    # ------------------------------------------------------------ per request
+    def state(self, rid: object) -> RequestPlanState:
+        st = self.requests.get(rid)
+        if st is None:
+            st = self.requests[rid] = RequestPlanState()
+        return st
+
+    def forget(self, rid: object) -> None:
+        self.requests.pop(rid, None)
+
+    # ------------------------------------------------------------ step 1: draft or not
+    def predicted_accept(self, rid: object, lead_entropy: float | None) -> float:
+        """Accepted drafts expected from drafting now, before the drafter pass."""
+        base = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
+        return base * self.state(rid).gate_ratio
+
+    def gate(self, rids: Sequence[object], lead_entropies: Sequence[float | None]) -> bool:
+        """Whether this batch runs the drafter. Cheap: no tensor work. Counts a probe as drafting."""
+        if self.mode == "fixed":
+            return True
+        bs = len(rids)
+        states = [self.state(r) for r in rids]
+        if any(st.ar_streak >= st.probe_interval for st in states):
+            return True  # a probe: one request's drafting may pay again; the tree size still gets chosen
+        expected = sum(1.0 + self.predicted_accept(r, h) for r, h in zip(rids, lead_entropies))
+        ref = max((st.last_nodes for st in states), default=-1)
+        ref = self.fixed_nodes if ref <= 0 else ref
+        rate_draft = expected / self.costs.round_ms(ref, bs)
+        rate_ar = bs / self.costs.ar_ms(bs)
+        return rate_draft > self.margin * rate_ar
+
+    def skip(self, rids: Sequence[object]) -> Plan:
+        """Record a round without drafting (an AR step for every request of the batch)."""
+        for r in rids:
+            self.state(r).ar_streak += 1
+        bs = len(rids)
+        return Plan(0, [1.0] * bs, self.costs.ar_ms(bs), drafted=False)
+
+    # ------------------------------------------------------------ step 2: how many nodes
+    def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """[B, R] expected accepted drafts of budget n = 0 .. R-1 per request, by the drafter's calibrated
+        probabilities, from the best-first tree's node scores / depths [B, R] (row 0 the root)."""
+        probs = self.depth.node_probs(scores, depths)
+        probs[:, 0] = 0.0
+        return torch.cumsum(probs, dim=1)
+
+    def expected_curve(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """[B, R] expected committed tokens (bonus included) of budget n = 0 .. R-1, with each request's own
+        yield against the drafter's predictions applied."""
+        ratio = torch.tensor([self.state(r).tree_ratio for r in rids], dtype=torch.float32, device=scores.device)
+        return 1.0 + self.expected_accept(scores, depths) * ratio[:, None]
+
+    def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor) -> Plan:
+        """The tree size for this batch after the drafter pass (the same for every request of the batch)."""
+        bs, rows = scores.shape
+        limit = min(rows - 1, self.max_nodes)
+        raw = self.expected_accept(scores[:, : limit + 1], depths[:, : limit + 1])
+        ratio = torch.tensor([self.state(r).tree_ratio for r in rids], dtype=raw.dtype, device=raw.device)
+        curve = 1.0 + raw * ratio[:, None]
+        per_n = curve.sum(0).tolist()  # [limit + 1]: the batch's expected tokens for budget n
+        if self.mode == "fixed":
+            n = min(self.fixed_nodes, limit)
+        else:
+            draft = self.costs.draft_ms(bs) + self.costs.overhead_ms
+            rates = [per_n[n] / (draft + self.costs.verify_ms(n + 1, bs)) for n in range(limit + 1)]
+            n = max(range(limit + 1), key=rates.__getitem__)
+        for r in rids:
+            self.state(r).last_nodes = n
+        return Plan(n, curve[:, n].tolist(), self.costs.round_ms(n, bs), raw_accept=raw[:, n].tolist())
+
+    # ------------------------------------------------------------ step 3: feedback
+    def observe(self, rids: Sequence[object], plan: Plan, lead_entropies: Sequence[float | None],
+                accept_lens: Sequence[int], tree=None, walk=None) -> None:
+        """What a drafted round accepted. ``tree`` / ``walk``: the verified ``DraftTree`` (truncated to the plan)
+        and its ``WalkResult`` (for the per-depth calibration; None skips it)."""
+        if not plan.drafted:
+            return
+        if tree is not None and walk is not None and plan.nodes > 0:
+            self.depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
+        bs = len(rids)
+        round_ms, ar_ms = self.costs.round_ms(plan.nodes, bs), self.costs.ar_ms(bs)
+        raw = plan.raw_accept or [0.0] * bs
+        for r, h, a, pred in zip(rids, lead_entropies, accept_lens, raw):
+            st = self.state(r)
+            a = float(a)
+            h0 = h if h is not None else 0.0
+            table = self.entropy.expected(h0)
+            if plan.nodes > 0:
+                self.entropy.observe(h0, a)
+                st.tree_actual = TREND * st.tree_actual + a
+                st.tree_pred = TREND * st.tree_pred + float(pred)
+            st.gate_actual = TREND * st.gate_actual + a
+            st.gate_pred = TREND * st.gate_pred + table
+            # did drafting pay for this request (its share of the batch's round against its share of AR)?
+            paid = (1.0 + a) / round_ms > self.margin / ar_ms
+            if paid:
+                st.probe_interval = MIN_PROBE_INTERVAL
+            elif st.ar_streak >= st.probe_interval:  # a failed probe: wait twice as long for the next
+                st.probe_interval = min(2 * st.probe_interval, MAX_PROBE_INTERVAL)
+            st.ar_streak = 0
+
+
+__all__ = ["CostModel", "Planner", "Plan", "PlannerMode", "PLANNER_MODES", "calibrate", "cost_key", "load_costs",
+           "save_costs", "default_row_grid", "DepthCalibration", "EntropyTable", "RequestPlanState"]
