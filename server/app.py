@@ -26,8 +26,8 @@ from .config import ServerConfig
 from .errors import APIError, bad_request
 from .images import decode_data_url, decode_image
 from .jobs import Backend, GenOutput, GenRequest, Job
-from .protocol import (ChatRequest, check_model, chat_request, chunk_body, completion_body, sampling_params,
-                       usage)
+from .protocol import (PLANNERS, ChatRequest, check_model, chat_request, chunk_body, completion_body,
+                       sampling_params, usage)
 from .sglang import meta_info, parse_prompt, render_prompt
 from .telemetry import Telemetry
 
@@ -335,7 +335,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
     @app.post("/v1/generate")
     async def generate_multipart(request: Request):
         """Multipart form: ``prompt`` + ``image`` file(s) (repeatable), optional ``max_tokens``,
-        ``temperature``, ``top_p``, ``seed``, ``stop`` (repeatable), ``mode``, ``measure_speedup``."""
+        ``temperature``, ``top_p``, ``seed``, ``stop`` (repeatable), ``mode``, ``planner``, ``measure_speedup``."""
         t0 = time.perf_counter()
         req = await multipart_request(request, config)
         out = await gw.collect(gw.submit(req), request, t0)
@@ -398,13 +398,16 @@ async def multipart_request(request: Request, config: ServerConfig) -> GenReques
     mode = form.get("mode") or None
     if mode not in (None, "glance", "chain", "ar"):
         raise bad_request(f"mode must be glance, chain or ar, got {mode!r}", "invalid_value", "mode")
+    planner = form.get("planner") or None
+    if planner is not None and planner not in PLANNERS:
+        raise bad_request(f"planner must be auto or fixed, got {planner!r}", "invalid_value", "planner")
     params = sampling_params(config, form_number(form, "max_tokens", int), form_number(form, "temperature", float, 0.0),
                              form_number(form, "top_p", float), [s for s in form.getlist("stop") if s] or None,
                              form_number(form, "seed", int))
     content: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
     content.append({"type": "text", "text": prompt})
     measure = str(form.get("measure_speedup", "")).lower() in ("1", "true", "yes", "on")
-    return GenRequest(messages=[{"role": "user", "content": content}], params=params, mode=mode,
+    return GenRequest(messages=[{"role": "user", "content": content}], params=params, mode=mode, planner=planner,
                       measure_speedup=measure)
 
 

@@ -94,8 +94,9 @@ def build_app(args: argparse.Namespace):
         return create_app(config, backend, processor), f"sglang upstream {args.upstream} (prompts: {model})"
     from .embedded import EmbeddedBackend
 
+    planner = {"planner": args.planner} if drafter is not None else {}
     engine = GlanceEngine.load(model, drafter, mode=args.mode if drafter is not None else "ar",
-                               budget=args.budget, branch_k=args.branch_k)
+                               budget=args.budget, branch_k=args.branch_k, **planner)
     backend = EmbeddedBackend(engine, config)
     return create_app(config, backend, engine.target.processor), f"embedded {model} + {drafter or 'no drafter'}"
 
@@ -151,6 +152,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "sglang it supplies the chat template")
     p.add_argument("--drafter", help="GLANCE drafter directory (default: the bundled demo drafter)")
     p.add_argument("--mode", choices=["glance", "chain", "ar"], default="glance", help="default decoding")
+    p.add_argument("--planner", choices=["auto", "fixed"], default="auto",
+                   help="default GLANCE planner (requests may choose with \"glance\": {\"planner\": ...}): auto "
+                   "picks the tree size per round from measured costs and predicted acceptance, down to no draft; "
+                   "fixed verifies the --budget tree every round (the ablation)")
     p.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
     p.add_argument("--branch-k", type=int, default=None)
     p.add_argument("--served-model-name", default="glance-demo")

@@ -29,7 +29,7 @@ from glance_sgl.target import TargetError
 from .config import ServerConfig
 from .errors import APIError, bad_request
 from .jobs import Backend, GenOutput, GenRequest, Job, queue_full
-from .protocol import glance_object
+from .protocol import check_planner, glance_object
 
 log = logging.getLogger("glance_server")
 
@@ -58,6 +58,9 @@ def result_metrics(result: GenerationResult) -> dict[str, Any]:
         "accepted_tokens": m.accepted_tokens, "acceptance_histogram": m.acceptance_histogram,
         "prefill_ms": m.prefill_ms, "decode_ms": m.decode_ms,
         "mean_root_entropy": None if not m.root_entropies else m.mean_root_entropy,
+        "planner": m.planner, "rows_histogram": m.rows_histogram,
+        "rounds_without_drafting": m.rounds_without_drafting,
+        "predicted_tokens_per_round": m.predicted_tokens_per_round,
     }
 
 
@@ -68,6 +71,7 @@ class EmbeddedBackend(Backend):
         self.engine = engine
         self.config = config
         self.default_mode = engine.mode
+        self.default_planner = engine.planner_mode if engine.drafter is not None else None
         self._pending: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._running: Job | None = None
@@ -101,8 +105,9 @@ class EmbeddedBackend(Backend):
         return True, "ok"
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "mode": self.default_mode, "block_size": self.engine.block_size,
-                "budget": self.engine.budget, "branch_k": self.engine.branch_k,
+        return {"backend": self.name, "mode": self.default_mode, "planner": self.default_planner,
+                "block_size": self.engine.block_size, "budget": self.engine.budget,
+                "max_nodes": getattr(self.engine, "max_nodes", None), "branch_k": self.engine.branch_k,
                 "estimated_ar_ms_per_token": self.ar_ms_per_token}
 
     def stats(self) -> dict[str, int]:
@@ -117,6 +122,10 @@ class EmbeddedBackend(Backend):
         if request.mode not in (None, "ar") and self.engine.drafter is None:
             raise bad_request(f"mode {request.mode!r} needs a drafter; this server runs without one",
                               "unsupported_parameter", "glance.mode")
+        if request.planner is not None and self.engine.drafter is None:
+            raise bad_request("planner needs a drafter; this server runs without one (AR only)",
+                              "unsupported_parameter", "glance.planner")
+        check_planner(request.planner, request.mode or self.default_mode)
         job = Job(request, asyncio.get_running_loop())
         with self._cond:
             if self._stopping:
@@ -200,7 +209,7 @@ class EmbeddedBackend(Backend):
             job.post("delta", delta)
 
         mode = req.mode or self.default_mode
-        result = self.engine.generate(req.messages, params, mode=mode, on_delta=on_delta,
+        result = self.engine.generate(req.messages, params, mode=mode, planner=req.planner, on_delta=on_delta,
                                       should_stop=job.cancelled.is_set)
         estimate = self.ar_ms_per_token
         measured = None

@@ -27,6 +27,7 @@ class GenRequest:
     messages: list[dict[str, Any]]
     params: SamplingParams
     mode: str | None = None  # "glance" | "chain" | "ar" | None (the backend's default)
+    planner: str | None = None  # "auto" | "fixed" | None (the backend's default); mode "glance" only
     measure_speedup: bool = False
     debug_fault: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)

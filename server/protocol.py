@@ -9,7 +9,14 @@ The ``glance`` object (one schema for every backend)::
     rounds                    verification rounds (AR: one per token)
     committed_per_round       tokens committed by each round (accepted drafts + bonus), or null if unknown
     tau                       decode_tokens / rounds: tokens per round INCLUDING the bonus (null if no round)
+    predicted_tokens_per_round  mean tokens per round the planner expected to commit (compare with tau; null
+                              without a planner: chain, ar, or an upstream that does not report it)
     tau_minus_1               tau - 1 (accepted drafts per round, the bonus excluded)
+    planner                   "auto" (cost-aware tree size per round, may skip drafting) | "fixed" (the budget
+                              tree every round) | null (chain, ar, or unknown upstream)
+    rows_histogram            rows verified per round (root included; "1" = a round without a tree) -> rounds,
+                              e.g. {"1": 3, "16": 9}; null if unknown
+    rounds_without_drafting   rounds that ran no drafter pass (AR: every round); null if unknown
     drafted_tokens, accepted_tokens, acceptance_rate, acceptance_histogram (hist[a] = rounds accepting a drafts)
     prefill_ms, decode_ms, decode_ms_per_token, decode_tokens_per_s, mean_root_entropy, queue_ms
     estimated_ar_ms_per_token AR decode ms/token calibrated on this engine (null if unknown)
@@ -18,7 +25,8 @@ The ``glance`` object (one schema for every backend)::
                               autoregressively right after: ar_* timings, decode_speedup (AR ms/token over
                               speculative ms/token, both after prefill), e2e_speedup, lossless_match
 
-So ``completion_tokens == prefill_tokens + sum(committed_per_round)`` and ``tau == decode_tokens / rounds``.
+So ``completion_tokens == prefill_tokens + sum(committed_per_round)``, ``tau == decode_tokens / rounds`` and
+``sum(rows_histogram.values()) == rounds``.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from .images import load_image_url
 from .jobs import GenOutput, GenRequest
 
 Mode = Literal["glance", "chain", "ar"]
+Planner = Literal["auto", "fixed"]
+PLANNERS = ("auto", "fixed")
 
 
 # ------------------------------------------------------------------------------------------------ schema
@@ -48,6 +58,7 @@ class GlanceOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     measure_speedup: StrictBool = False
     mode: Mode | None = None
+    planner: Planner | None = None
     debug_fault: str | None = None
 
 
@@ -180,8 +191,19 @@ async def chat_request(body: ChatRequest, config: ServerConfig, client: httpx.As
         raise bad_request("debug_fault needs a server started with --debug-faults", "unsupported_parameter",
                           "glance.debug_fault")
     messages = await convert_messages(body.messages, config, client)
-    return GenRequest(messages=messages, params=params, mode=options.mode, measure_speedup=options.measure_speedup,
-                      debug_fault=options.debug_fault)
+    return GenRequest(messages=messages, params=params, mode=options.mode, planner=options.planner,
+                      measure_speedup=options.measure_speedup, debug_fault=options.debug_fault)
+
+
+def check_planner(planner: str | None, mode: str, param: str = "glance.planner") -> None:
+    """A per-request planner must be known and go with GLANCE tree decoding (400 otherwise)."""
+    if planner is None:
+        return
+    if planner not in PLANNERS:
+        raise bad_request(f"planner must be auto or fixed, got {planner!r}", "invalid_value", param)
+    if mode != "glance":
+        raise bad_request(f"planner {planner!r} applies to mode 'glance' (tree decoding), not to mode {mode!r}",
+                          "invalid_value", param)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -189,13 +211,18 @@ def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: in
                   committed_per_round: list[int] | None, drafted_tokens: int, accepted_tokens: int,
                   acceptance_histogram: list[int], prefill_ms: float, decode_ms: float,
                   mean_root_entropy: float | None, estimated_ar_ms_per_token: float | None, queue_ms: float,
-                  measured: dict[str, Any] | None = None) -> dict[str, Any]:
+                  measured: dict[str, Any] | None = None, planner: str | None = None,
+                  rows_histogram: dict[str, int] | None = None, rounds_without_drafting: int | None = None,
+                  predicted_tokens_per_round: float | None = None) -> dict[str, Any]:
     """The per-request ``glance`` object (schema in the module docstring)."""
     prefill_tokens = 1 if completion_tokens > 0 else 0
     decode_tokens = completion_tokens - prefill_tokens
     if committed_per_round is not None and sum(committed_per_round) != decode_tokens:
         raise ValueError(f"inconsistent metrics: {decode_tokens} decode tokens, rounds committed "
                          f"{sum(committed_per_round)}")
+    if rows_histogram is not None and sum(rows_histogram.values()) != rounds:
+        raise ValueError(f"inconsistent metrics: {rounds} rounds, rows histogram counts "
+                         f"{sum(rows_histogram.values())}")
     tau = decode_tokens / rounds if rounds else None
     ms_per_token = decode_ms / decode_tokens if decode_tokens else None
     speedup = (estimated_ar_ms_per_token / ms_per_token
@@ -209,7 +236,11 @@ def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: in
         "rounds": rounds,
         "committed_per_round": committed_per_round,
         "tau": tau,
+        "predicted_tokens_per_round": predicted_tokens_per_round,
         "tau_minus_1": tau - 1.0 if tau is not None else None,
+        "planner": planner,
+        "rows_histogram": rows_histogram,
+        "rounds_without_drafting": rounds_without_drafting,
         "drafted_tokens": drafted_tokens,
         "accepted_tokens": accepted_tokens,
         "acceptance_rate": accepted_tokens / drafted_tokens if drafted_tokens else None,

@@ -112,12 +112,15 @@ def glance_from_meta(meta: dict[str, Any], prefill_ms: float, decode_ms: float, 
             rate = meta.get("spec_accept_rate") or 0.0
             drafted = round(accepted / rate) if rate else 0
         mode, rounds, hist = "glance", verify, list(meta.get("spec_correct_drafts_histogram") or [])
+        rows, without = None, None  # SGLang's meta_info does not say how many rows each round verified
     else:  # no speculation upstream: one token per step
         mode, rounds, accepted, drafted, hist = "ar", max(completion - 1, 0), 0, 0, [max(completion - 1, 0)]
+        rows, without = ({"1": rounds} if rounds else {}), rounds
     return glance_object(backend="sglang", mode=mode, completion_tokens=completion, rounds=rounds,
                          committed_per_round=None, drafted_tokens=int(drafted), accepted_tokens=accepted,
                          acceptance_histogram=hist, prefill_ms=prefill_ms, decode_ms=decode_ms,
-                         mean_root_entropy=None, estimated_ar_ms_per_token=ar_ms_per_token, queue_ms=queue_ms)
+                         mean_root_entropy=None, estimated_ar_ms_per_token=ar_ms_per_token, queue_ms=queue_ms,
+                         rows_histogram=rows, rounds_without_drafting=without)
 
 
 def upstream_rejection(status: int, raw: bytes) -> APIError:
@@ -200,6 +203,9 @@ class SGLangBackend(Backend):
         if request.mode not in (None, "glance"):
             raise bad_request("the sglang backend decodes with the server's speculative setting; mode cannot be "
                               "chosen per request", "unsupported_parameter", "glance.mode")
+        if request.planner is not None:
+            raise bad_request("the sglang backend plans its trees per batch inside SGLang; planner cannot be chosen "
+                              "per request", "unsupported_parameter", "glance.planner")
         if self._queued >= self.config.max_queue and self._slots is not None and self._slots.locked():
             raise queue_full(1.0, self._queued)
         job = Job(request, asyncio.get_running_loop())

@@ -12,6 +12,7 @@ disable_created_metrics()  # no *_created series
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TAU_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16)
 SPEEDUP_BUCKETS = (0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6)
+ROWS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)  # rows verified per round (root included)
 
 
 class _BackendCollector:
@@ -40,6 +41,15 @@ class Telemetry:
                              buckets=TAU_BUCKETS, registry=r)
         self.speedup = Histogram("glance_speedup", "Per-request decode speedup over AR", ["kind"],
                                  buckets=SPEEDUP_BUCKETS, registry=r)
+        self.rows = Histogram("glance_rows_per_round", "Rows verified per round (root included; 1 = no draft)",
+                              ["mode"], buckets=ROWS_BUCKETS, registry=r)
+        self.rounds = Counter("glance_rounds", "Verification rounds (AR: one per token)", ["mode"], registry=r)
+        self.rounds_without_drafting = Counter("glance_rounds_without_drafting",
+                                               "Rounds that ran no drafter pass", ["mode"], registry=r)
+        self.predicted_tokens = Counter("glance_planner_predicted_tokens",
+                                        "Tokens the planner expected its rounds to commit", ["planner"], registry=r)
+        self.planned_tokens = Counter("glance_planner_committed_tokens",
+                                      "Tokens committed by the rounds the planner predicted", ["planner"], registry=r)
         self.finished = Counter("glance_generations", "Generations by finish reason", ["finish_reason"], registry=r)
         self.engine_errors = Counter("glance_engine_errors", "Requests failed by the engine or upstream", registry=r)
         r.register(_BackendCollector(stats))
@@ -53,9 +63,27 @@ class Telemetry:
             self.tau.labels(glance.get("mode") or "unknown").observe(glance["tau"])
         if glance.get("estimated_speedup") is not None:
             self.speedup.labels("estimated").observe(glance["estimated_speedup"])
+        self.observe_rounds(glance)
         measured = glance.get("measured") or {}
         if measured.get("decode_speedup") is not None:
             self.speedup.labels("measured").observe(measured["decode_speedup"])
+
+    def observe_rounds(self, glance: dict[str, Any]) -> None:
+        """Per-round counts of one request: rows verified, rounds without drafting, predicted vs committed."""
+        mode = glance.get("mode") or "unknown"
+        rounds = glance.get("rounds") or 0
+        if rounds:
+            self.rounds.labels(mode).inc(rounds)
+        for rows, n in (glance.get("rows_histogram") or {}).items():
+            for _ in range(int(n)):
+                self.rows.labels(mode).observe(float(rows))
+        if glance.get("rounds_without_drafting"):
+            self.rounds_without_drafting.labels(mode).inc(glance["rounds_without_drafting"])
+        predicted = glance.get("predicted_tokens_per_round")
+        if predicted is not None and rounds:  # the planner predicts every round of the requests it plans
+            planner = glance.get("planner") or "unknown"
+            self.predicted_tokens.labels(planner).inc(predicted * rounds)
+            self.planned_tokens.labels(planner).inc(glance.get("decode_tokens") or 0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

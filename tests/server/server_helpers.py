@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import numpy as np
 import uvicorn
 from PIL import Image
@@ -83,3 +84,24 @@ def start_embedded(engine: GlanceEngine, **overrides) -> ServerThread:
     server = ServerThread(create_app(config, EmbeddedBackend(engine, config), engine.target.processor))
     server.wait_ready()
     return server
+
+
+def check_glance(glance: dict, completion_tokens: int) -> None:
+    """The identities the gateway promises."""
+    assert glance["completion_tokens"] == completion_tokens
+    assert glance["prefill_tokens"] == 1
+    assert glance["decode_tokens"] == completion_tokens - 1
+    if glance["committed_per_round"] is not None:
+        assert len(glance["committed_per_round"]) == glance["rounds"]
+        assert glance["prefill_tokens"] + sum(glance["committed_per_round"]) == completion_tokens
+    if glance["rounds"]:
+        assert glance["tau"] == pytest.approx(glance["decode_tokens"] / glance["rounds"])
+        assert glance["tau_minus_1"] == pytest.approx(glance["tau"] - 1)
+        assert sum(glance["acceptance_histogram"]) == glance["rounds"]
+        assert sum(a * n for a, n in enumerate(glance["acceptance_histogram"])) == glance["accepted_tokens"]
+    assert glance["accepted_tokens"] <= glance["drafted_tokens"]
+    for key in ("prefill_ms", "decode_ms", "queue_ms"):
+        assert glance[key] >= 0
+    if glance["rows_histogram"] is not None:
+        assert sum(glance["rows_histogram"].values()) == glance["rounds"]
+        assert glance["rounds_without_drafting"] <= glance["rounds"]

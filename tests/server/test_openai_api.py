@@ -8,31 +8,13 @@ import pytest
 
 from glance_sgl.engine import SamplingParams
 
-from server_helpers import API_KEY, MODEL, image_message, png_bytes
+from server_helpers import API_KEY, MODEL, check_glance, image_message, png_bytes
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def client(gateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def check_glance(glance: dict, completion_tokens: int) -> None:
-    """The identities the gateway promises."""
-    assert glance["completion_tokens"] == completion_tokens
-    assert glance["prefill_tokens"] == 1
-    assert glance["decode_tokens"] == completion_tokens - 1
-    if glance["committed_per_round"] is not None:
-        assert len(glance["committed_per_round"]) == glance["rounds"]
-        assert glance["prefill_tokens"] + sum(glance["committed_per_round"]) == completion_tokens
-    if glance["rounds"]:
-        assert glance["tau"] == pytest.approx(glance["decode_tokens"] / glance["rounds"])
-        assert glance["tau_minus_1"] == pytest.approx(glance["tau"] - 1)
-        assert sum(glance["acceptance_histogram"]) == glance["rounds"]
-        assert sum(a * n for a, n in enumerate(glance["acceptance_histogram"])) == glance["accepted_tokens"]
-    assert glance["accepted_tokens"] <= glance["drafted_tokens"]
-    for key in ("prefill_ms", "decode_ms", "queue_ms"):
-        assert glance[key] >= 0
 
 
 def engine_reference(engine, messages_pil, **params):
