@@ -59,11 +59,15 @@ def build_messages(prompt: str, images: list[Any]) -> list[dict[str, Any]]:
 
 def format_metrics(m: dict[str, Any]) -> str:
     ent = m["mean_root_entropy"]
+    planner = f", planner {m['planner']}" if m.get("planner") else ""
+    predicted = m.get("predicted_tokens_per_round")
     lines = [
-        f"mode {m['mode']}: {m['completion_tokens']} tokens, prompt {m['prompt_tokens']} tokens",
+        f"mode {m['mode']}{planner}: {m['completion_tokens']} tokens, prompt {m['prompt_tokens']} tokens",
         f"tau {m['tau']:.2f} (tau-1 {m['tau_minus_1']:.2f}) over {m['rounds']} rounds; "
         f"drafted {m['drafted_tokens']}, accepted {m['accepted_tokens']}",
         f"acceptance histogram {m['acceptance_histogram']}",
+        f"rows verified per round {m.get('rows_histogram')}, {m.get('rounds_without_drafting')} rounds without "
+        "drafting" + (f"; planner predicted {predicted:.2f} tokens per round" if predicted is not None else ""),
         f"prefill {m['prefill_ms']:.1f} ms, decode {m['decode_ms']:.1f} ms "
         f"({m['decode_ms_per_token']:.2f} ms/token, {m['decode_tokens_per_s']:.1f} tokens/s)",
         "mean root entropy " + (f"{ent:.3f} nats" if ent is not None else "n/a"),
@@ -92,7 +96,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--max-tokens must be >= 1")
     images = [load_image(p) for p in args.image]
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    engine = GlanceEngine.load(model, None if args.ar and drafter is None else drafter)
+    if args.planner is not None and (args.ar or args.mode != "glance"):
+        raise CLIError("--planner applies to GLANCE tree decoding (--mode glance), not to --ar or --mode chain")
+    drafter = None if args.ar and drafter is None else drafter
+    planner = {"planner": args.planner} if args.planner is not None and drafter is not None else {}
+    engine = GlanceEngine.load(model, drafter, **planner)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             stop=args.stop or [], seed=args.seed)
     try:
@@ -134,6 +142,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--mode", choices=["glance", "chain"], default="glance", help="tree (default) or width-1 chain")
+    gen.add_argument("--planner", choices=["auto", "fixed"], default=None,
+                     help="GLANCE tree size per round: auto (cost-aware, may skip drafting; the engine's default) "
+                     "or fixed (the drafter's budget tree every round, the ablation)")
     gen.add_argument("--ar", action="store_true", help="plain autoregressive decoding (the baseline)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, metrics")
     gen.set_defaults(func=cmd_generate)

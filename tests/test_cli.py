@@ -40,9 +40,17 @@ def test_generate_json(saved, engines):
                 "prefill_ms", "decode_ms", "decode_tokens_per_s", "mean_root_entropy"):
         assert key in m
     assert m["completion_tokens"] == len(out["token_ids"]) <= 12
+    assert m["planner"] == "auto" and sum(m["rows_histogram"].values()) == m["rounds"]
+    assert len(m["rows_per_round"]) == len(m["predicted_per_round"]) == m["rounds"]
     ar = json.loads(run_glance("generate", "--model", model, "--image", image, "--prompt",
                                "what colour is the square", "--max-tokens", "12", "--ar", "--json").stdout)
     assert ar["token_ids"] == out["token_ids"] and ar["metrics"]["mode"] == "ar"
+    assert ar["metrics"]["planner"] is None and ar["metrics"]["rounds_without_drafting"] == ar["metrics"]["rounds"]
+    fixed = json.loads(run_glance("generate", "--model", model, "--drafter", drafter, "--image", image, "--prompt",
+                                  "what colour is the square", "--max-tokens", "12", "--planner", "fixed",
+                                  "--json").stdout)
+    assert fixed["token_ids"] == out["token_ids"]
+    assert fixed["metrics"]["planner"] == "fixed" and fixed["metrics"]["rounds_without_drafting"] == 0
 
 
 def test_generate_plain_output(saved):
@@ -51,11 +59,15 @@ def test_generate_plain_output(saved):
                       "--max-tokens", "5")
     assert proc.returncode == 0, proc.stderr
     assert "tau" in proc.stderr and "prefill" in proc.stderr
+    assert "planner auto" in proc.stderr and "rows verified per round" in proc.stderr
 
 
 @pytest.mark.parametrize("args,message", [
     (["--image", "/nonexistent.png"], "image not found"),
     (["--max-tokens", "0"], "--max-tokens"),
+    (["--planner", "fastest"], "invalid choice: 'fastest'"),
+    (["--planner", "fixed", "--ar"], "--planner applies to GLANCE tree decoding"),
+    (["--planner", "auto", "--mode", "chain"], "--planner applies to GLANCE tree decoding"),
 ])
 def test_generate_errors_name_the_problem(saved, args, message):
     model, drafter, image = saved

@@ -40,6 +40,7 @@ def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
     (["serve", "--upstream", "http://127.0.0.1:9"], "--upstream is for --backend sglang"),
     (["serve", "--api-key-env", "GLANCE_TEST_UNSET_VARIABLE"], "unset or empty"),
     (["serve", "--allow-remote-images"], "--remote-image-host"),
+    (["serve", "--planner", "greedy"], "invalid choice: 'greedy'"),
 ])
 def test_serve_argument_errors(argv, message, capsys, checkpoints):
     code, err = run_cli(argv, capsys)
@@ -51,7 +52,7 @@ def test_glance_serve_process(checkpoints):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLANCE_TEST_KEY": "s3cret"}
     proc = subprocess.Popen(
         [*GLANCE, "serve", "--model", str(target), "--drafter", str(drafter), "--port", "0", "--budget", "7",
-         "--served-model-name", "tiny", "--api-key-env", "GLANCE_TEST_KEY", "--no-calibrate", "--threads", "1"],
+         "--planner", "fixed", "--served-model-name", "tiny", "--api-key-env", "GLANCE_TEST_KEY", "--no-calibrate", "--threads", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None
@@ -71,6 +72,10 @@ def test_glance_serve_process(checkpoints):
         r = client.chat.completions.create(model="tiny", messages=image_message("hello", seed=2), max_tokens=5,
                                            temperature=0)
         assert r.usage.completion_tokens >= 1 and r.model_extra["glance"]["backend"] == "embedded"
+        assert r.model_extra["glance"]["planner"] == "fixed"  # --planner: the server's default planner
+        r = client.chat.completions.create(model="tiny", messages=image_message("hello", seed=2), max_tokens=5,
+                                           temperature=0, extra_body={"glance": {"planner": "auto"}})
+        assert r.model_extra["glance"]["planner"] == "auto"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
     finally:
