@@ -5,13 +5,25 @@ algorithm (``glance_sgl.drafter`` / ``tree`` / ``verify`` and ``glance_kernels``
 
 - extend (prefill, chunked or not): the target's forward with its tap layers captured (SGLang's aux
   hidden-state capture, ``set_eagle3_layers_to_capture``); every prompt token's tap features go into the
-  drafter's own context cache (KV injection), one cache per request;
-- decode step: one drafter pass per request block ``[root, MASK x (B-1)]`` (batched), the budget tree from the
-  per-offset top-k, the TARGET_VERIFY input (FULL mask, positions ``prefix + depth``; SGLang adds the M-RoPE
-  delta), the target's verify pass, the walk (greedy at T = 0, seeded lossless sampling at T > 0), the accepted
-  rows' K/V moved to the front of the verify window (``glance_kernels.compact_kv``), the accepted rows' tap
-  features appended to the drafter cache, and a ``GenerationBatchResult`` whose accept lengths include the bonus
-  token (SGLang then fills ``spec_verify_ct``, ``spec_accept_length``... in ``meta_info``).
+  request's drafter context (KV injection, ``draft_context.DraftContexts``), and the entropy of the row that
+  produced the first token becomes the request's lead entropy;
+- decode step, planned per batch by ``glance_sgl.planner`` (``GLANCE_PLANNER``: auto / fixed, see
+  ``planning.py``): ``planner.gate`` decides from the lead entropies whether the batch drafts at all. If it
+  drafts: the drafter contexts catch up (ONE batched ``extend_context`` over the tap features stashed since the
+  last drafter pass), one drafter pass for every request's block ``[root, MASK x (B-1)]``, the best-first tree
+  at the full budget (``N - 1`` nodes, ``N = --speculative-num-draft-tokens``), and ``planner.choose`` keeps its
+  first ``nodes + 1`` rows (0 nodes: the root alone). If not: a plain AR step, i.e. a 1-row verify of the root.
+  Then the TARGET_VERIFY input (FULL mask, positions ``prefix + depth``; SGLang adds the M-RoPE delta) over R
+  rows (1 <= R <= N: the first R of the N KV slots SGLang reserved per request after its prefix), the target's
+  pass, the walk (greedy at T = 0, seeded lossless sampling at T > 0), the accepted rows' K/V moved to the front
+  of the verify window (``glance_kernels.compact_kv``), the committed rows' tap features stashed, the bonus
+  rows' entropies as the next lead entropies, the planner's feedback (acceptance and measured ms), and a
+  ``GenerationBatchResult`` whose accept lengths include the bonus token (an AR step is a verify step with
+  accept length 1; SGLang fills ``spec_verify_ct``, ``spec_accept_length``... in ``meta_info``).
+
+KV accounting does not depend on R: SGLang reserves at least ``N`` tokens of headroom per request for every speculative
+step (``eagle_prepare_for_decode``) and commits ``accept_lens`` tokens per step; the unused reserved slots stay
+the request's until it finishes. The result's token rows keep the stride ``N`` whatever R was.
 """
 
 from __future__ import annotations
@@ -32,26 +44,50 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 import glance_kernels
-from glance_sgl.drafter import DrafterCache, GlanceDrafter, draft_logprobs
-from glance_sgl.tree import build_tree, topk_per_offset
+from glance_sgl.drafter import GlanceDrafter, draft_logprobs
+from glance_sgl.planner import calibrate, cost_key, default_row_grid, load_costs, save_costs
+from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
+from .draft_context import DraftContexts
 from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceVerifyInput, build_verify_input
+from .planning import BatchCostModel, make_planner, planner_mode_from_env
 
 logger = logging.getLogger(__name__)
 
 
-def stack_caches(caches: list[DrafterCache]) -> DrafterCache:
-    """One batched drafter cache from per-request caches (capacity padded to the largest)."""
-    if len(caches) == 1:
-        return caches[0]
-    cap = max(c.capacity for c in caches)
-    for c in caches:
-        c.reserve(cap)
-    keys = [torch.cat([c.keys[i][:, :, :cap] for c in caches]) for i in range(len(caches[0].keys))]
-    values = [torch.cat([c.values[i][:, :, :cap] for c in caches]) for i in range(len(caches[0].values))]
-    return DrafterCache(keys, values, torch.cat([c.lengths for c in caches]))
+def root_tree(roots: torch.Tensor) -> DraftTree:
+    """The 1-row tree of a plain AR step: only the root [bs] is verified."""
+    zeros = torch.zeros_like(roots)[:, None]
+    return DraftTree(roots[:, None], zeros - 1, zeros, zeros.float())
+
+
+def chain_of(roots: torch.Tensor, rows: int) -> DraftTree:
+    """A ``rows``-row chain repeating each root (calibration input: the shape matters, not the tokens)."""
+    bs = roots.shape[0]
+    ar = torch.arange(rows, device=roots.device)[None, :].expand(bs, -1)
+    return DraftTree(roots[:, None].expand(-1, rows).contiguous(), (ar - 1).contiguous(), ar.contiguous(),
+                     torch.zeros(bs, rows, device=roots.device))
+
+
+def entropies_nats(logits: torch.Tensor) -> list[float]:
+    """Entropy (nats, fp32) of softmax of each row of ``logits`` [bs, V]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return (-(logp.exp() * logp).sum(-1)).tolist()
+
+
+def _prefill_entropies(rows: torch.Tensor) -> list[float]:
+    """Lead entropies from SGLang's prefill logits [bs, V]: a row its sampler already turned into
+    probabilities (softmax(logits / T), sampled requests) is read as one."""
+    out = []
+    for row in rows.float():
+        if float(row.min()) >= 0.0 and abs(float(row.sum()) - 1.0) < 1e-3:
+            p = row.clamp_min(1e-30)
+            out.append(float(-(p * p.log()).sum()))
+        else:
+            out.append(entropies_nats(row[None])[0])
+    return out
 
 
 def sampling_spec(req) -> SamplingSpec:
@@ -81,6 +117,21 @@ class _Profile:
     def done(self, bs: int) -> None:
         if self.on:
             logger.warning("GLANCE step bs=%d %s", bs, " ".join(self.parts))
+
+
+class StepStats:
+    """Counts of decode steps by rows verified per request (0 = an AR step without the drafter pass), logged
+    every 200 steps when ``GLANCE_SGL_PROFILE=1``."""
+
+    def __init__(self, log: bool) -> None:
+        self.log, self.steps, self.rows = log, 0, {}
+
+    def record(self, bs: int, rows: int) -> None:
+        self.steps += 1
+        self.rows[rows] = self.rows.get(rows, 0) + 1
+        if self.log and self.steps % 200 == 0:
+            logger.warning("GLANCE steps %d, rows per request (0 = no draft): %s", self.steps,
+                           dict(sorted(self.rows.items())))
 
 
 class GlanceWorker(BaseSpecWorker):
@@ -122,11 +173,26 @@ class GlanceWorker(BaseSpecWorker):
         self._tap_order = None if captured == taps else torch.tensor([captured.index(t) for t in taps])
         self._hidden = int(text_cfg.hidden_size)
         self.block_size = cfg.block_size
-        # rid -> (request, drafter context cache)
-        self.states: dict[str, tuple[object, DrafterCache]] = {}
+        self.contexts = DraftContexts(self.drafter)
         self._profile = os.environ.get("GLANCE_SGL_PROFILE", "") not in ("", "0")
-        logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s", cfg.block_size,
-                    self.budget, self.branch_k, self.max_depth, taps)
+        self.planner_mode, seed = planner_mode_from_env()
+        key = cost_key("sglang", str(self.device), torch.cuda.get_device_name(self.device) if self.device_is_cuda
+                       else "cpu", spec.speculative_draft_model_path, self.model_runner.model_config.model_path,
+                       str(self.model_runner.dtype), self.server_args.attention_backend, torch.get_num_threads(),
+                       self.draft_token_num, self.branch_k, self.max_depth)
+        cached = load_costs(key)
+        costs = BatchCostModel.from_dict(cached.to_dict()) if cached is not None else BatchCostModel.prior(key)
+        self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed)
+        self.stats = StepStats(self._profile)
+        self._last_decode_end: float | None = None  # when the previous decode step returned (perf_counter s)
+        self._last_ar_host_ms = 0.0  # host work of the previous step when it was an AR step
+        logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
+                    "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
+                    self.planner_mode, "cached" if cached is not None else "calibrated on the first batches")
+
+    @property
+    def device_is_cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"
 
     # ------------------------------------------------------------------ BaseSpecWorker plumbing
     def alloc_memory_pool(self, **kwargs):
@@ -141,18 +207,21 @@ class GlanceWorker(BaseSpecWorker):
         return None  # the drafter runs inside this worker; it has no ModelRunner of its own
 
     def clear_cache_pool(self):
-        self.states.clear()
+        self.contexts.clear()
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
-        self.states.pop(rid, None)
+        self.contexts.drop(rid)
+        self.planner.forget(rid)
 
     def _purge(self, live: set[str]) -> None:
-        for rid in [r for r, (req, _) in self.states.items() if r not in live and req.finished()]:
-            del self.states[rid]
+        gone = [r for r, st in self.contexts.states.items() if r not in live and st.req.finished()]
+        for rid in gone:
+            self.contexts.drop(rid)
+            self.planner.forget(rid)
 
     @property
     def num_drafter_states(self) -> int:
-        return len(self.states)
+        return len(self.contexts)
 
     # ------------------------------------------------------------------ the step
     def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
@@ -167,6 +236,7 @@ class GlanceWorker(BaseSpecWorker):
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL)
         logits_output = result.logits_output
+        self._last_decode_end = None  # the next decode step's gap includes this prefill: not a scheduler cost
         if batch.forward_mode.is_extend() and bs > 0:
             hidden = logits_output.hidden_states
             self._feed_prompt(batch, None if hidden is None else self._taps(hidden))
@@ -174,6 +244,9 @@ class GlanceWorker(BaseSpecWorker):
             logits_output.hidden_states = None
         predict = result.next_token_ids
         if predict is not None and bs > 0 and batch.forward_mode.is_extend():
+            if logits_output.next_token_logits is not None:
+                self.contexts.set_lead_entropies([r.rid for r in batch.reqs],
+                                                 _prefill_entropies(logits_output.next_token_logits))
             predict = self._first_tokens(batch, logits_output, predict)
         new_seq_lens = batch.seq_lens.clone()
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
@@ -237,85 +310,167 @@ class GlanceWorker(BaseSpecWorker):
                                f"{None if taps is None else tuple(taps.shape)}")
         start = 0
         for req, n, pre in zip(batch.reqs, lens, prefix):
-            state = self.states.get(req.rid)
-            if state is None or pre == 0:  # a new request, or one re-prefilled after retraction
-                cache = self.drafter.new_cache(1, capacity=max(256, 2 * (pre + n)))
-                self.states[req.rid] = (req, cache)
-            else:
-                cache = state[1]
-            self.drafter.extend_context(cache, taps[start:start + n][None].to(self.drafter.fc.weight.dtype),
-                                        torch.tensor([n], device=self.device))
+            if req.rid not in self.contexts or pre == 0:  # a new request, or one re-prefilled after retraction
+                self.contexts.start(req, capacity=max(256, 2 * (pre + n)))
+            self.contexts.extend_own(req.rid, taps[start:start + n])
             start += n
 
-    def draft_trees(self, batch: ScheduleBatch):
-        """One drafter pass for every request's block and the budget trees (the embedded engine's draft_tree)."""
-        roots = torch.tensor([req.output_ids[-1] if len(req.output_ids) else req.origin_input_ids[-1]
-                              for req in batch.reqs], dtype=torch.long, device=self.device)
-        caches = [self.states[req.rid][1] for req in batch.reqs]
-        logits = self.drafter.draft_block(stack_caches(caches), roots)[:, : self.max_depth]
+    # ------------------------------------------------------------------ decode: draft (or not), verify, commit
+    def _roots(self, batch: ScheduleBatch) -> torch.Tensor:
+        """[bs] long: each request's newest committed token (the root of its tree)."""
+        return torch.tensor([req.output_ids[-1] if len(req.output_ids) else req.origin_input_ids[-1]
+                             for req in batch.reqs], dtype=torch.long, device=self.device)
+
+    def draft_trees(self, rids: list[str], roots: torch.Tensor) -> DraftTree:
+        """Catch the batch's drafter contexts up (one extend call), one drafter pass for every request's block,
+        and the best-first trees at the largest budget (the embedded engine's draft_tree)."""
+        cache = self.contexts.catch_up(rids)
+        logits = self.drafter.draft_block(cache, roots)[:, : self.max_depth]
         values, ids = topk_per_offset(draft_logprobs(logits), self.branch_k)
         if roots.is_cuda:  # the same tree built on device (Triton), no host round trip
-            return glance_kernels.budget_tree(values, ids, roots, self.budget)
+            t = glance_kernels.budget_tree(values, ids, roots, self.budget)
+            return DraftTree(t.tokens, t.parents, t.depths, t.scores)
         return build_tree(values, ids, roots, self.budget)  # on the host the heap is the fastest
 
-    def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
-        prof = _Profile(self._profile)
-        bs = len(batch.reqs)
-        n = self.draft_token_num
-        missing = [req.rid for req in batch.reqs if req.rid not in self.states]
-        if missing:
-            raise RuntimeError(f"GLANCE: no drafter context for requests {missing} (prefix cache hit?)")
-        tree = self.draft_trees(batch)
-        prof.mark("draft")
-        assert tree.tokens.shape[1] == n, (tuple(tree.tokens.shape), n)
-        seq_lens = batch.seq_lens
-        seq_lens_cpu = [int(x) for x in (batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None
-                                         else seq_lens.tolist())]
-        vt = build_verify_input(tree, seq_lens, seq_lens_cpu, batch.req_pool_indices,
+    def _verify_pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
+        """The target's TARGET_VERIFY pass over ``tree`` (``R`` rows per request, 1 <= R <= N): its K/V go to
+        the first R of the N slots SGLang reserved after each prefix. Returns (result, logits [bs, R, V],
+        taps [bs, R, L*H])."""
+        bs, rows = tree.tokens.shape
+        vt = build_verify_input(tree, batch.seq_lens, seq_lens_cpu, batch.req_pool_indices,
                                 self.req_to_token_pool.req_to_token)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = vt.input_ids
         batch.out_cache_loc = vt.out_cache_loc
         batch.spec_info = vt.spec_info
-        prof.mark("verify_input")
-
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=CaptureHiddenMode.FULL)
-        logits_output = result.logits_output
-        logits = logits_output.next_token_logits.view(bs, n, -1)
-        taps = self._taps(logits_output.hidden_states).view(bs, n, -1)
-        logits_output.hidden_states = None
-        prof.mark("target")
+        out = result.logits_output
+        logits = out.next_token_logits.view(bs, rows, -1)
+        taps = self._taps(out.hidden_states).view(bs, rows, -1)
+        out.hidden_states = None
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the walk syncs right after anyway; this times the pass
+        return result, logits, taps
+
+    def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
+        t_start = time.perf_counter()
+        prof = _Profile(self._profile)
+        bs = len(batch.reqs)
+        rids = [req.rid for req in batch.reqs]
+        missing = [r for r in rids if r not in self.contexts]
+        if missing:
+            raise RuntimeError(f"GLANCE: no drafter context for requests {missing} (prefix cache hit?)")
+        if self._last_decode_end is not None:  # the scheduler's time since the previous decode step
+            gap_ms = 1000 * (t_start - self._last_decode_end)
+            self.planner.costs.observe_step(bs, gap_ms + self._last_ar_host_ms)
+        seq_lens = batch.seq_lens
+        seq_lens_cpu = [int(x) for x in (batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None
+                                         else seq_lens.tolist())]
+        roots = self._roots(batch)
+        if self._maybe_calibrate(batch, rids, roots, seq_lens_cpu, pp_proxy_tensors):
+            t_start = time.perf_counter()  # the calibration is not this step's host work
+            prof = _Profile(self._profile)
+        lead = self.contexts.lead_entropies(rids)
+
+        t0 = time.perf_counter()
+        drafted = self.planner.gate(rids, lead)
+        if drafted:
+            full = self.draft_trees(rids, roots)
+            plan = self.planner.choose(rids, full.scores, full.depths)
+            tree = full.prefix(plan.nodes + 1)
+        else:
+            plan = self.planner.skip(rids)
+            tree = root_tree(roots)
+        t1 = time.perf_counter()
+        prof.mark("draft" if drafted else "no_draft")
+
+        result, logits, taps = self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
+        t2 = time.perf_counter()
+        prof.mark(f"target[{tree.num_rows}]")
 
         specs = [sampling_spec(req) for req in batch.reqs]
         next_index = torch.tensor([len(req.output_ids) for req in batch.reqs])
-        walk = verify_tree(tree.tokens.cpu(), tree.parents.cpu(), tree.depths.cpu(), logits.float().cpu(),
-                           next_index, specs)
+        host_logits = logits.float().cpu()
+        walk = verify_tree(tree.tokens.cpu(), tree.parents.cpu(), tree.depths.cpu(), host_logits, next_index,
+                           specs)
         accepted = walk.accept_lens  # drafted nodes accepted, bonus excluded
         committed = walk.committed(tree.tokens.cpu())
         prof.mark("walk")
 
-        # Accepted rows' K/V to the front of each verify window (root first), in every layer's K and V buffer.
-        kv = self.token_to_kv_pool_allocator.get_kvcache()
-        rows = walk.accepted_rows.to(self.device)
-        glance_kernels.compact_kv(list(kv.k_buffer) + list(kv.v_buffer),
-                                  self.req_to_token_pool.req_to_token[batch.req_pool_indices.long()], 1,
-                                  seq_lens.long(), rows)
-        # The drafter's context grows by the root and the accepted path.
-        for b, req in enumerate(batch.reqs):
-            k = int(accepted[b]) + 1
-            path = walk.accepted_rows[b, :k].to(self.device)
-            self.drafter.extend_context(self.states[req.rid][1], taps[b, path][None].to(self.drafter.fc.weight.dtype),
-                                        torch.tensor([k], device=self.device))
+        if tree.num_rows > 1:  # accepted rows' K/V to the front of each verify window (root first)
+            kv = self.token_to_kv_pool_allocator.get_kvcache()
+            glance_kernels.compact_kv(list(kv.k_buffer) + list(kv.v_buffer),
+                                      self.req_to_token_pool.req_to_token[batch.req_pool_indices.long()], 1,
+                                      seq_lens.long(), walk.accepted_rows.to(self.device))
+        counts = (accepted + 1).tolist()
+        self.contexts.stash(rids, taps, walk.accepted_rows, counts)
+        # the next round's lead entropies: the rows whose target distribution produced the bonus tokens
+        last = walk.accepted_rows.gather(1, accepted[:, None]).squeeze(1)
+        new_lead = entropies_nats(host_logits[torch.arange(bs), last])
+        self.contexts.set_lead_entropies(rids, new_lead)
+        self.planner.observe(rids, plan, lead, accepted.tolist(), tree if drafted else None,
+                             walk if drafted else None)
+        prof.mark("kv+stash+plan")
 
-        prof.mark("kv+drafter_extend")
         accept_lens = (accepted + 1).to(torch.int32)
-        accept_tokens = torch.zeros(bs, n, dtype=torch.int32)
+        accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32)
         for b, toks in enumerate(committed):
             accept_tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
         accept_tokens = accept_tokens.to(self.device).flatten()
         accept_lens = accept_lens.to(self.device)
         new_seq_lens = seq_lens + accept_lens
         batch.forward_mode = ForwardMode.DECODE
+
+        t_end = time.perf_counter()
+        costs = self.planner.costs
+        pass_ms, host_ms = 1000 * (t2 - t1), 1000 * ((t_end - t_start) - (t2 - t1) - (t1 - t0))
+        costs.observe_verify(tree.num_rows, bs, pass_ms)
+        if drafted:
+            costs.observe_draft(bs, 1000 * (t1 - t0))
+            costs.observe_overhead(host_ms)
+            self._last_ar_host_ms = 0.0
+        else:
+            self._last_ar_host_ms = host_ms
+        self.stats.record(bs, tree.num_rows if drafted else 0)
         prof.done(bs)
-        return self._result(result, logits_output, accept_tokens, accept_tokens, accept_lens, new_seq_lens, on_publish)
+        self._last_decode_end = time.perf_counter()
+        return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens, new_seq_lens,
+                            on_publish)
+
+    # ------------------------------------------------------------------ cost model calibration
+    def _maybe_calibrate(self, batch: ScheduleBatch, rids: list[str], roots: torch.Tensor,
+                         seq_lens_cpu: list[int], pp_proxy_tensors) -> bool:
+        """Measure the target pass at every row count of the grid and the drafter pass, on THIS batch, the first
+        time a batch size of a new power-of-two bucket decodes (``auto`` only; skipped when the cached
+        calibration covers it). The passes write K/V only into the slots SGLang reserved for this step, which
+        the real verify pass overwrites right after; their outputs are dropped."""
+        if self.planner_mode != "auto":
+            return False
+        bs = len(rids)
+        bucket = 1 << (bs.bit_length() - 1)
+        costs = self.planner.costs
+        if any(1 << (b.bit_length() - 1) == bucket for b in costs.calibrated_batches()):
+            return False
+        t0 = time.perf_counter()
+        cache = self.contexts.catch_up(rids)
+
+        def run_verify(rows: int, batch_size: int) -> None:
+            self._verify_pass(batch, chain_of(roots, rows), seq_lens_cpu, pp_proxy_tensors)
+
+        def run_draft(batch_size: int) -> None:
+            logits = self.drafter.draft_block(cache, roots)[:, : self.max_depth]
+            values, ids = topk_per_offset(draft_logprobs(logits), self.branch_k)
+            build_tree(values, ids, roots, self.budget) if not roots.is_cuda else \
+                glance_kernels.budget_tree(values, ids, roots, self.budget)
+
+        grid = default_row_grid(self.draft_token_num)
+        measured = calibrate(run_verify, run_draft, [(r, bs) for r in grid], [bs], repeats=3)
+        costs.add_curve(bs, [x // bs for x in measured.verify_rows], measured.verify_ms_at)
+        costs.add_draft_point(bs, measured.draft_ms_at[0])
+        batch.forward_mode = ForwardMode.DECODE
+        saved = save_costs(costs)
+        logger.info("GLANCE cost model calibrated at batch %d in %.2f s (rows %s: %s ms; drafter %.2f ms)%s", bs,
+                    time.perf_counter() - t0, grid, [round(x, 2) for x in costs.curves[bs][1]],
+                    measured.draft_ms_at[0], f"; cached in {saved}" if saved else "")
+        return True

@@ -1,0 +1,202 @@
+"""The planner as the SGLang worker uses it: mode selection, a batch-aware cost model, a test-only random policy.
+
+``GLANCE_PLANNER`` (environment of the SGLang server / engine process) picks the policy:
+
+- ``auto`` (default): :class:`glance_sgl.planner.Planner` in ``auto`` mode chooses per batch whether to draft
+  and how many of the ``--speculative-num-draft-tokens - 1`` reserved tree rows to verify;
+- ``fixed``: today's behaviour, the full tree every step (ablations, benchmarks);
+- ``random[:SEED]``: test-only; random tree sizes and plain AR steps (no drafter pass), to check that every
+  mix of step shapes stays token-identical to decoding without speculation.
+
+The cost model is :class:`BatchCostModel`, a :class:`glance_sgl.planner.CostModel` whose target-pass curve is
+kept per calibrated batch size (on SGLang the pass's cost depends on the batch size, not only on total rows:
+per-request attention work and launch overheads), plus the scheduler's own per-step time between two decode
+steps (which every step pays, AR included). It is calibrated inside the running server (see
+``GlanceWorker._calibrate``), cached per device + model by :func:`glance_sgl.planner.save_costs`, and refined
+online.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from glance_sgl.planner import CostModel, Plan, Planner, _interp
+
+PLANNER_ENV = "GLANCE_PLANNER"
+SGLANG_PLANNER_MODES = ("auto", "fixed", "random")
+SCALE_RATE = 0.05  # weight of one timing in the model's overall speed scale
+SHAPE_RATE = 0.02  # ... and in the shape of the nearest curve
+STEP_RATE = 0.1  # weight of one measured scheduler gap
+
+
+def planner_mode_from_env(value: str | None = None) -> tuple[str, int]:
+    """``(mode, seed)`` from ``GLANCE_PLANNER`` (``auto`` | ``fixed`` | ``random[:SEED]``); clear error if bad."""
+    raw = (os.environ.get(PLANNER_ENV, "auto") if value is None else value).strip().lower() or "auto"
+    mode, _, seed = raw.partition(":")
+    if mode not in SGLANG_PLANNER_MODES or (seed and mode != "random"):
+        raise ValueError(f"{PLANNER_ENV}={raw!r}: choose auto, fixed or random[:SEED] (random is for tests)")
+    try:
+        return mode, int(seed) if seed else 0
+    except ValueError:
+        raise ValueError(f"{PLANNER_ENV}={raw!r}: the random planner's seed must be an integer") from None
+
+
+# ---------------------------------------------------------------------------------------------- costs
+def _nudge(xs: list[int], ys: list[float], x: float, ratio: float) -> None:
+    """Move the curve ``ys`` over ``xs`` near ``x`` by ``ratio`` (observed / predicted) at ``SHAPE_RATE``,
+    split between the two nearest points; keep it non-decreasing."""
+    if len(xs) == 1:
+        ys[0] *= 1 + SHAPE_RATE * (ratio - 1)
+        return
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    w1 = min(max((x - xs[i - 1]) / (xs[i] - xs[i - 1]), 0.0), 1.0)
+    for j, w in ((i - 1, 1.0 - w1), (i, w1)):
+        ys[j] *= 1 + SHAPE_RATE * w * (ratio - 1)
+    for j in range(1, len(ys)):
+        ys[j] = max(ys[j], ys[j - 1])
+
+
+@dataclass
+class BatchCostModel(CostModel):
+    """A :class:`CostModel` with one target-pass curve per calibrated batch size.
+
+    ``curves[bs] = (rows, ms)``: rows per request (ascending) and the pass's ms at that batch size. A query at
+    another batch size interpolates linearly between the two nearest calibrated sizes (linear extrapolation
+    past the ends). ``step_ms[bs]``: the scheduler's time between two decode steps (result processing, the next
+    batch's preparation), paid by every step; it is added to :meth:`verify_ms`, so an AR step costs
+    ``pass + step`` and a drafting round ``draft + pass + step + overhead``. Without curves the base model's
+    total-rows curve is used.
+    """
+
+    curves: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    step_ms: dict[int, float] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ queries
+    def pass_ms(self, rows: int, batch: int = 1) -> float:
+        """The target's pass alone (ms) over ``rows`` rows for each of ``batch`` requests."""
+        if not self.curves:
+            return super().verify_ms(rows, batch)
+        sizes = sorted(self.curves)
+        at = [_interp(self.curves[b][0], self.curves[b][1], float(rows)) for b in sizes]
+        return max(_interp(sizes, at, float(batch)), 0.0) * self.scale
+
+    def scheduler_ms(self, batch: int = 1) -> float:
+        if not self.step_ms:
+            return 0.0
+        sizes = sorted(self.step_ms)
+        return _interp(sizes, [self.step_ms[b] for b in sizes], float(batch))
+
+    def verify_ms(self, rows: int, batch: int = 1) -> float:
+        return self.pass_ms(rows, batch) + self.scheduler_ms(batch)
+
+    def calibrated_batches(self) -> list[int]:
+        return sorted(self.curves)
+
+    # ------------------------------------------------------------------ measurements
+    def add_curve(self, batch: int, rows: list[int], ms: list[float]) -> None:
+        """A calibrated curve at ``batch`` (ms made non-decreasing in rows)."""
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        xs, ys = [int(rows[i]) for i in order], [float(ms[i]) for i in order]
+        for i in range(1, len(ys)):
+            ys[i] = max(ys[i], ys[i - 1])
+        self.curves[int(batch)] = (xs, ys)
+        if batch == min(self.curves):  # the base fields stay a valid total-rows curve
+            self.verify_rows, self.verify_ms_at = [x * batch for x in xs], list(ys)
+
+    def add_draft_point(self, batch: int, ms: float) -> None:
+        pts = dict(zip(self.draft_batch, self.draft_ms_at))
+        pts[int(batch)] = float(ms)
+        self.draft_batch = sorted(pts)
+        self.draft_ms_at = [pts[b] for b in self.draft_batch]
+
+    def _nearest(self, table, batch: int) -> int:
+        return min(table, key=lambda b: abs(math.log(b / batch)))
+
+    def observe_verify(self, rows: int, batch: int, ms: float) -> None:
+        """One measured target pass (``ms``: the pass alone): the overall scale moves quickly, the nearest
+        calibrated curve's shape near ``rows`` slowly (a busy spell does not bend the curves)."""
+        if not self.curves:
+            return super().observe_verify(rows, batch, ms)
+        pred = self.pass_ms(rows, batch)
+        if pred <= 0 or not math.isfinite(ms) or ms <= 0:
+            return
+        ratio = min(max(ms / pred, 0.5), 2.0)
+        self.scale *= 1 + SCALE_RATE * (ratio - 1)
+        xs, ys = self.curves[self._nearest(self.curves, batch)]
+        _nudge(xs, ys, float(rows), ratio)
+
+    def observe_step(self, batch: int, ms: float) -> None:
+        """The scheduler's time between two consecutive decode steps of ``batch`` requests."""
+        if not math.isfinite(ms) or ms < 0:
+            return
+        if batch not in self.step_ms:
+            near = self.step_ms.get(self._nearest(self.step_ms, batch)) if self.step_ms else None
+            self.step_ms[batch] = ms if near is None else near
+        cur = self.step_ms[batch]
+        self.step_ms[batch] = cur + STEP_RATE * (min(ms, 4 * cur + 1.0) - cur)
+
+    def observe_overhead(self, ms: float) -> None:
+        if self.overhead_ms <= 0.0 and math.isfinite(ms) and ms > 0:
+            self.overhead_ms = ms  # the first measurement is the prior (the base model starts at 0)
+            return
+        super().observe_overhead(ms)
+
+    # ------------------------------------------------------------------ cache format
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d["curves"] = {str(b): [list(xs), list(ys)] for b, (xs, ys) in self.curves.items()}
+        d["step_ms"] = {str(b): v for b, v in self.step_ms.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BatchCostModel":
+        base = CostModel.from_dict(d)
+        curves = {int(b): ([int(x) for x in xs], [float(y) for y in ys])
+                  for b, (xs, ys) in (d.get("curves") or {}).items()}
+        steps = {int(b): float(v) for b, v in (d.get("step_ms") or {}).items()}
+        return cls(base.verify_rows, base.verify_ms_at, base.draft_batch, base.draft_ms_at,
+                   overhead_ms=base.overhead_ms, key=base.key, curves=curves, step_ms=steps)
+
+    @classmethod
+    def prior(cls, key: str = "") -> "BatchCostModel":
+        """An uncalibrated model (target pass ~ rows, drafter pass ~ one AR step) until calibration runs."""
+        return cls([1, 64], [1.0, 4.0], [1, 64], [1.0, 8.0], overhead_ms=0.0, key=key)
+
+
+# ---------------------------------------------------------------------------------------------- policies
+class RandomPlanner(Planner):
+    """Test-only policy: each batch drafts with probability 2/3 and then verifies a random number of nodes
+    (0 .. max), otherwise runs a plain AR step. Feedback and costs are recorded as usual."""
+
+    def __init__(self, *args, seed: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng = random.Random(seed)
+
+    def gate(self, rids, lead_entropies) -> bool:
+        return self.rng.random() < 2 / 3
+
+    def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor) -> Plan:
+        limit = min(scores.shape[1] - 1, self.max_nodes)
+        n = self.rng.randint(0, limit)
+        raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1])[:, n]
+        for r in rids:
+            self.state(r).last_nodes = n
+        return Plan(n, [1.0 + float(a) for a in raw.tolist()], self.costs.round_ms(n, len(rids)),
+                    raw_accept=raw.tolist())
+
+
+def make_planner(mode: str, costs: CostModel, max_nodes: int, max_depth: int, seed: int = 0) -> Planner:
+    """The worker's planner for ``mode`` (see :func:`planner_mode_from_env`)."""
+    if mode == "random":
+        return RandomPlanner(costs, max_nodes, max_depth, mode="auto", seed=seed)
+    return Planner(costs, max_nodes, max_depth, mode=mode)
+
+
+__all__ = ["BatchCostModel", "RandomPlanner", "make_planner", "planner_mode_from_env", "PLANNER_ENV",
+           "SGLANG_PLANNER_MODES"]
