@@ -1,13 +1,21 @@
-"""Benchmark through SGLang on this machine: GLANCE vs SGLang without speculation vs SGLang's NGRAM.
+"""Benchmark through SGLang on this machine: GLANCE (auto / fixed planner) vs no speculation vs SGLang's NGRAM.
 
-    python -m glance_sgl.sglang.bench [--model DIR --drafter DIR] [--prompts 20] [--max-tokens 64] [--cpu]
+    python -m glance_sgl.sglang.bench [--model DIR --drafter DIR] [--prompts 32] [--max-tokens 64]
+        [--methods none,ngram,glance,glance-fixed] [--concurrency 1,4,16] [--wild 16] [--wild-concurrency 1,8]
 
-Same demo evaluation prompts (images included) for every method, batch 1, one engine at a time, each in its
-own process (``runner.EngineProcess``). Decode time per request = latency of the full request minus latency of
-the same request with ``max_new_tokens=1`` (so prefill is excluded); decode tokens/s = (completion - 1) / that.
-Accept length is reported both ways: SGLang's ``spec_accept_length`` (completion / verify steps, the prefill
-token counted) and tau = (completion - 1) / verify steps (design §1's convention). Outputs are compared token
-for token with the no-speculation run. ``--device cuda`` runs the same on a GPU (FlashInfer, CUDA graphs).
+The same harness for every method, each method in a fresh engine in its own process (``runner.EngineProcess``),
+warmed up at every concurrency level first (the auto planner calibrates its cost model on the first batches of
+each size, or loads its cached calibration). Scenarios:
+
+- ``demo c=K``: the demo evaluation prompts (images included) with K requests in flight (a new one starts when
+  one finishes); output tokens/s = completion tokens / wall time (prefill included);
+- ``demo c=1`` also gives the decode speedup: decode time per request = latency of the full request minus
+  latency of the same request with ``max_new_tokens=1``; decode tokens/s = (completion - 1) / that;
+- ``wild c=K``: noise and photo-like images of other sizes with generic prompts (``runner.wild_requests``).
+
+tau = (completion - 1) / verify steps, pooled (design §1; an AR step of the planner counts as a verify step of
+accept length 1). Outputs are compared token for token with the no-speculation run. ``--device cuda`` runs the
+same on a GPU (FlashInfer).
 """
 
 from __future__ import annotations
@@ -19,14 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .runner import EngineProcess, cpu_engine_kwargs, demo_requests
+from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, wild_requests
 
-METHODS = ("none", "ngram", "glance")
+METHODS = ("none", "ngram", "glance", "glance-fixed")
 
 
 def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_tokens: int,
                   glance_tokens: int | None = None) -> dict[str, Any]:
-    algo = {"none": None, "ngram": "NGRAM", "glance": "GLANCE"}[method]
+    algo = {"none": None, "ngram": "NGRAM", "glance": "GLANCE", "glance-fixed": "GLANCE"}[method]
     if device == "cpu":
         kw = cpu_engine_kwargs(model, drafter, algorithm=algo)
     else:
@@ -43,53 +51,71 @@ def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_to
     return kw
 
 
-def run_method(method: str, kwargs: dict[str, Any], requests: list[dict[str, Any]], log_dir: Path | None
-               ) -> dict[str, Any]:
+def engine_env(method: str) -> dict[str, str]:
+    """The planner of a GLANCE method (``GLANCE_PLANNER``; see glance_sgl/sglang/planning.py)."""
+    return {"GLANCE_PLANNER": "fixed" if method == "glance-fixed" else "auto"}
+
+
+def _summary(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    verify = sum(r["meta_info"].get("spec_verify_ct") or 0 for r in results)
+    spec_tokens = sum(r["meta_info"]["completion_tokens"] - 1 for r in results if r["meta_info"].get("spec_verify_ct"))
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+            "tau": spec_tokens / verify if verify else 1.0, "outputs": [r["output_ids"] for r in results]}
+
+
+def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[list[dict[str, Any]], int]],
+               log_dir: Path | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Every scenario (name -> (requests, requests in flight)) on one fresh engine; ``demo c=1`` (if present)
+    also gives decode tokens/s."""
     log = (log_dir / f"{method}.log") if log_dir else None
-    with EngineProcess(kwargs, log_path=log) as eng:
-        eng.generate(requests[:1])  # warm-up
-        one = eng.generate([{**r, "max_tokens": 1} for r in requests])["results"]
-        t0 = time.perf_counter()
-        full = eng.generate(requests)["results"]
-        wall = time.perf_counter() - t0
-        startup = eng.startup_s
-    decode_s = decode_tokens = verify = spec_tokens = 0.0
-    for o, f in zip(one, full):
-        n = f["meta_info"]["completion_tokens"]
-        decode_tokens += max(n - 1, 0)
-        decode_s += max(f["meta_info"]["e2e_latency"] - o["meta_info"]["e2e_latency"], 0.0)
-        ct = f["meta_info"].get("spec_verify_ct") or 0
-        if ct:
-            verify += ct
-            spec_tokens += n - 1
-    return {
-        "method": method,
-        "decode_tokens": int(decode_tokens),
-        "decode_s": decode_s,
-        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
-        "tau": spec_tokens / verify if verify else 1.0,
-        "sglang_accept_length": (spec_tokens + sum(1 for f in full if f["meta_info"].get("spec_verify_ct"))) / verify
-        if verify else 1.0,
-        "wall_s": wall,
-        "startup_s": startup,
-        "outputs": [f["output_ids"] for f in full],
-    }
+    out: dict[str, Any] = {"method": method, "scenarios": {}}
+    with EngineProcess(kwargs, env=env, log_path=log) as eng:
+        for name, (reqs, c) in scenarios.items():  # warm-up at every level (short answers)
+            eng.generate([{**r, "max_tokens": 16} for r in reqs[: 2 * c]], concurrency=c)
+        for name, (reqs, c) in scenarios.items():
+            if name == "demo c=1":
+                one = eng.generate([{**r, "max_tokens": 1} for r in reqs])["results"]
+            t0 = time.perf_counter()
+            res = eng.generate(reqs, concurrency=c)["results"]
+            row = _summary(res, time.perf_counter() - t0)
+            if name == "demo c=1":
+                decode_s = sum(max(f["meta_info"]["e2e_latency"] - o["meta_info"]["e2e_latency"], 0.0)
+                               for o, f in zip(one, res))
+                decode_tokens = sum(max(f["meta_info"]["completion_tokens"] - 1, 0) for f in res)
+                row["decode_tokens_per_s"] = decode_tokens / decode_s if decode_s > 0 else float("nan")
+            out["scenarios"][name] = row
+            print(f"[bench] {method} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
+                  file=sys.stderr, flush=True)
+        out["startup_s"] = eng.startup_s
+    return out
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = next((r for r in rows if r["method"] == "none"), None)
-    lines = [f"{'method':<8} {'decode tok/s':>12} {'vs none':>8} {'tau':>6} {'sglang acc.len':>14} "
-             f"{'identical':>10}"]
-    for r in rows:
-        ratio = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base else float("nan")
-        same = f"{r['identical']}/{r['prompts']}" if base else "-"
-        lines.append(f"{r['method']:<8} {r['decode_tokens_per_s']:>12.1f} {ratio:>7.2f}x {r['tau']:>6.2f} "
-                     f"{r['sglang_accept_length']:>14.2f} {same:>10}")
-    by = {r["method"]: r for r in rows}
-    if "glance" in by and "ngram" in by:
-        lines.append(f"GLANCE / NGRAM decode tokens/s: "
-                     f"{by['glance']['decode_tokens_per_s'] / by['ngram']['decode_tokens_per_s']:.2f}x")
+    lines = [f"{'scenario':<11} {'method':<13} {'output tok/s':>12} {'vs none':>8} {'decode tok/s':>12} "
+             f"{'vs none':>8} {'tau':>6} {'identical':>10}"]
+    for name in rows[0]["scenarios"]:
+        b = base["scenarios"][name] if base else None
+        for r in rows:
+            s = r["scenarios"][name]
+            ratio = s["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
+            dec = s.get("decode_tokens_per_s")
+            dratio = dec / b["decode_tokens_per_s"] if b and dec else float("nan")
+            same = f"{sum(x == y for x, y in zip(s['outputs'], b['outputs']))}/{len(s['outputs'])}" if b else "-"
+            lines.append(f"{name:<11} {r['method']:<13} {s['tokens_per_s']:>12.1f} {ratio:>7.2f}x "
+                         f"{dec if dec else float('nan'):>12.1f} {dratio:>7.2f}x {s['tau']:>6.2f} {same:>10}")
     return "\n".join(lines)
+
+
+def _levels(text: str, flag: str, p: argparse.ArgumentParser) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"{flag} takes comma-separated integers, got {text!r}")
+    if any(c < 1 for c in levels):
+        p.error(f"{flag}: requests in flight must be >= 1, got {text!r}")
+    return levels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m glance_sgl.sglang.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=bundled_target(), help="target VLM (default: the bundled demo)")
     p.add_argument("--drafter", type=Path, default=bundled_drafter(), help="GLANCE drafter checkpoint")
-    p.add_argument("--prompts", type=int, default=20, help="demo evaluation prompts (round-robin over tasks)")
+    p.add_argument("--prompts", type=int, default=32, help="demo evaluation prompts (round-robin over tasks)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of none,ngram,glance")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--concurrency", default="1,4,16", help="demo requests in flight, comma-separated")
+    p.add_argument("--wild", type=int, default=16, help="wild requests (noise / photo-like images; 0: none)")
+    p.add_argument("--wild-concurrency", default="1,8", help="wild requests in flight, comma-separated")
     p.add_argument("--ngram-draft-tokens", type=int, default=8)
     p.add_argument("--glance-draft-tokens", type=int, default=None,
-                   help="GLANCE rows verified per step (tree budget + 1; default 32)")
+                   help="GLANCE rows reserved per step (tree budget + 1; default 32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--log-dir", type=Path, help="keep each engine's log here")
@@ -111,27 +140,31 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if bad := sorted(set(methods) - set(METHODS)):
         p.error(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
+    if args.prompts < 1 or args.max_tokens < 1 or args.wild < 0:
+        p.error("--prompts and --max-tokens must be >= 1, --wild >= 0")
     for path, what in ((args.model, "--model"), (args.drafter, "--drafter")):
         if not (path / "config.json").is_file():
             p.error(f"{what} {path}: no config.json (build the demo with `glance demo build` or pass a directory)")
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    requests, _ = demo_requests(args.model, args.prompts, args.max_tokens)
+    demo, _ = demo_requests(args.model, args.prompts, args.max_tokens)
+    scenarios: dict[str, tuple[list[dict[str, Any]], int]] = {
+        f"demo c={c}": (demo, c) for c in _levels(args.concurrency, "--concurrency", p)}
+    if args.wild:
+        wild = wild_requests(args.model, args.wild, args.max_tokens)
+        scenarios.update({f"wild c={c}": (wild, c) for c in _levels(args.wild_concurrency, "--wild-concurrency", p)})
     rows = []
     for m in methods:
         print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
-        rows.append(run_method(m, engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
-                                             args.glance_draft_tokens),
-                               requests, args.log_dir))
-    base = next((r for r in rows if r["method"] == "none"), None)
-    for r in rows:
-        r["prompts"] = len(requests)
-        r["identical"] = sum(a == b for a, b in zip(r["outputs"], base["outputs"])) if base else None
+        kw = engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
+                           args.glance_draft_tokens)
+        rows.append(run_method(m, kw, scenarios, args.log_dir, env=engine_env(m)))
     print(format_table(rows))
     if args.json:
-        report = {"device": args.device, "prompts": len(requests), "max_tokens": args.max_tokens,
+        report = {"device": args.device, "prompts": args.prompts, "wild": args.wild, "max_tokens": args.max_tokens,
                   "model": str(args.model), "drafter": str(args.drafter),
-                  "methods": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}
+                  "methods": [{**r, "scenarios": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
+                                                  for k, v in r["scenarios"].items()}} for r in rows]}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -45,14 +45,14 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 import glance_kernels
 from glance_sgl.drafter import GlanceDrafter, draft_logprobs
-from glance_sgl.planner import calibrate, cost_key, default_row_grid, load_costs, save_costs
+from glance_sgl.planner import calibrate, cost_key, default_row_grid, save_costs
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
 from .draft_context import DraftContexts
 from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceVerifyInput, build_verify_input
-from .planning import BatchCostModel, make_planner, planner_mode_from_env
+from .planning import BatchCostModel, load_batch_costs, make_planner, planner_mode_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +180,8 @@ class GlanceWorker(BaseSpecWorker):
                        else "cpu", spec.speculative_draft_model_path, self.model_runner.model_config.model_path,
                        str(self.model_runner.dtype), self.server_args.attention_backend, torch.get_num_threads(),
                        self.draft_token_num, self.branch_k, self.max_depth)
-        cached = load_costs(key)
-        costs = BatchCostModel.from_dict(cached.to_dict()) if cached is not None else BatchCostModel.prior(key)
+        cached = load_batch_costs(key)
+        costs = cached if cached is not None else BatchCostModel.prior(key)
         self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed)
         self.stats = StepStats(self._profile)
         self._last_decode_end: float | None = None  # when the previous decode step returned (perf_counter s)
@@ -442,10 +442,10 @@ class GlanceWorker(BaseSpecWorker):
     def _maybe_calibrate(self, batch: ScheduleBatch, rids: list[str], roots: torch.Tensor,
                          seq_lens_cpu: list[int], pp_proxy_tensors) -> bool:
         """Measure the target pass at every row count of the grid and the drafter pass, on THIS batch, the first
-        time a batch size of a new power-of-two bucket decodes (``auto`` only; skipped when the cached
-        calibration covers it). The passes write K/V only into the slots SGLang reserved for this step, which
+        time a batch size of a new power-of-two bucket decodes (not for the ``fixed`` planner; skipped when the
+        cached calibration covers it). The passes write K/V only into the slots SGLang reserved for this step, which
         the real verify pass overwrites right after; their outputs are dropped."""
-        if self.planner_mode != "auto":
+        if self.planner_mode == "fixed":  # (random, a test policy, calibrates too: the passes must be harmless)
             return False
         bs = len(rids)
         bucket = 1 << (bs.bit_length() - 1)

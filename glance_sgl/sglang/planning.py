@@ -19,6 +19,7 @@ online.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import os
 import random
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glance_sgl.planner import CostModel, Plan, Planner, _interp
+from glance_sgl.planner import CostModel, Plan, Planner, _interp, cost_cache_dir
 
 PLANNER_ENV = "GLANCE_PLANNER"
 SGLANG_PLANNER_MODES = ("auto", "fixed", "random")
@@ -169,6 +170,19 @@ class BatchCostModel(CostModel):
         return cls([1, 64], [1.0, 4.0], [1, 64], [1.0, 8.0], overhead_ms=0.0, key=key)
 
 
+def load_batch_costs(key: str) -> BatchCostModel | None:
+    """The cached :class:`BatchCostModel` of ``key`` (written by ``glance_sgl.planner.save_costs``), or None
+    when there is none (or it is unreadable / of another key)."""
+    directory = cost_cache_dir()
+    if directory is None:
+        return None
+    try:
+        model = BatchCostModel.from_dict(json.loads((directory / f"{key}.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return model if model.key == key else None
+
+
 # ---------------------------------------------------------------------------------------------- policies
 class RandomPlanner(Planner):
     """Test-only policy: each batch drafts with probability 2/3 and then verifies a random number of nodes
@@ -198,5 +212,5 @@ def make_planner(mode: str, costs: CostModel, max_nodes: int, max_depth: int, se
     return Planner(costs, max_nodes, max_depth, mode=mode)
 
 
-__all__ = ["BatchCostModel", "RandomPlanner", "make_planner", "planner_mode_from_env", "PLANNER_ENV",
+__all__ = ["BatchCostModel", "load_batch_costs", "RandomPlanner", "make_planner", "planner_mode_from_env", "PLANNER_ENV",
            "SGLANG_PLANNER_MODES"]

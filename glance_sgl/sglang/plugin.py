@@ -14,6 +14,24 @@ Server arguments (SGLang's own flags, read the GLANCE way):
                                     the block size is the drafter checkpoint's)
 ==================================  =========================================================================
 
+``--speculative-num-draft-tokens`` is the most a step verifies: the planner picks per batch how many of those rows
+to use (see below), down to 1 (a plain AR step without the drafter pass).
+
+Environment of the server / engine process (read by the worker at start-up):
+
+==========================  ===============================================================================
+``GLANCE_PLANNER``          ``auto`` (default): cost-aware per batch (``glance_sgl.planner``): whether to draft
+                            at all, then how many tree nodes to verify, from the lead entropies, the drafter's
+                            probabilities and a cost model of this device at this batch size; ``fixed``: the
+                            full tree every step (ablations, benchmarks); ``random[:SEED]``: random sizes and
+                            AR steps, for losslessness tests only
+``GLANCE_COST_CACHE``       where the cost model's calibration is cached (default
+                            ``~/.cache/glance_sgl/costs``; ``off``: recalibrate every start). The worker
+                            calibrates on the first decode batch of each new batch-size bucket (1, 2, 4, ...)
+                            with a few extra verify / drafter passes, and refines the model from every step
+``GLANCE_SGL_PROFILE=1``    log per-step phase times and the rows-per-step histogram
+==========================  ===============================================================================
+
 Also forced: ``disable_radix_cache`` (the drafter needs the tap features of every prompt token, which a prefix
 hit would skip), no mixed chunked prefill, no overlap scheduling (the worker is synchronous), and
 ``disable_cuda_graph`` (capture of the verify pass through SGLang's dummy-verify-input hooks is not implemented
@@ -97,8 +115,15 @@ def resolve_glance_args(args: Any) -> dict[str, int]:
 
 
 def validate_server_args(server_args: Any) -> None:
-    """SGLang's ``validate_server_args`` hook: reject bad GLANCE arguments at start-up."""
+    """SGLang's ``validate_server_args`` hook: reject bad GLANCE arguments (and a bad ``GLANCE_PLANNER``) at
+    start-up."""
+    from .planning import planner_mode_from_env
+
     resolve_glance_args(server_args)
+    try:
+        planner_mode_from_env()
+    except ValueError as exc:
+        raise GlanceArgsError(str(exc)) from None
 
 
 def fill_server_args(server_args: Any) -> None:

@@ -7,9 +7,11 @@ callers (pytest, ``python -m glance_sgl.sglang.bench``) keep it in a child proce
         out = eng.generate(requests, concurrent=True)
 
 Each request is ``{"text": prompt with the chat template applied, "image": base64 PNG or None,
-"max_tokens": int, "temperature": float}``; each result has ``output_ids``, ``text`` and SGLang's
-``meta_info`` (``spec_verify_ct``, ``spec_accept_length``, ...). ``cpu_engine_kwargs`` gives the CPU mode's
-engine arguments.
+"max_tokens": int, "temperature": float, "seed": int or None}``; each result has ``output_ids``, ``text`` and
+SGLang's ``meta_info`` (``spec_verify_ct``, ``spec_accept_length``, ...). ``generate(..., concurrency=c)`` keeps
+``c`` requests in flight (a new one starts as soon as one finishes), ``concurrent=True`` submits all at once.
+``cpu_engine_kwargs`` gives the CPU mode's engine arguments; ``demo_requests`` / ``wild_requests`` build
+request lists (the demo's evaluation prompts; pictures and prompts unlike them).
 """
 
 from __future__ import annotations
@@ -78,6 +80,57 @@ def demo_requests(model_dir: str | Path, n: int, max_tokens: int, tasks: tuple[s
     return reqs, msgs
 
 
+WILD_PROMPTS = (
+    "Describe this image.",
+    "What do you see in this picture?",
+    "Write a short story inspired by this image.",
+    "Is there anything unusual here? Explain.",
+    "What colours dominate the picture, and what mood do they set?",
+    "Tell me a joke about what is shown.",
+    "List three questions someone might ask about this photo.",
+    "Summarise the scene in one sentence, then give details.",
+)
+WILD_SIZES = ((84, 84), (140, 112), (112, 196), (168, 168), (56, 224))
+
+
+def wild_image(seed: int, size: tuple[int, int]):
+    """A deterministic picture unlike the demo's: uniform noise (even seeds) or a photo-like scene (odd seeds:
+    smooth colour gradients, soft blobs, sensor noise). ``size`` = (width, height) in pixels."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    if seed % 2 == 0:
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.zeros((h, w, 3), np.float32)
+    for c in range(3):  # a sky-to-ground gradient per channel
+        a, b = rng.uniform(0, 255, 2)
+        img[..., c] = a + (b - a) * yy / max(h - 1, 1)
+    for _ in range(int(rng.integers(3, 8))):  # soft objects
+        cx, cy, r = rng.uniform(0, w), rng.uniform(0, h), rng.uniform(6, max(w, h) / 3)
+        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * r * r))[..., None]
+        img = img * (1 - blob) + rng.uniform(0, 255, 3)[None, None, :] * blob
+    img += rng.normal(0, 8, img.shape)
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+
+
+def wild_requests(model_dir: str | Path, n: int, max_tokens: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` requests unlike the demo tasks: noise / photo-like images of other sizes with generic prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    reqs = []
+    for i in range(n):
+        prompt = WILD_PROMPTS[(i + seed) % len(WILD_PROMPTS)]
+        msg = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        reqs.append({"text": chat_prompt(tok, msg), "image": image_b64(wild_image(seed * 1000 + i,
+                                                                                   WILD_SIZES[i % len(WILD_SIZES)])),
+                     "max_tokens": max_tokens, "temperature": 0.0})
+    return reqs
+
+
 # ---------------------------------------------------------------------------------------------- child side
 def _serve(engine_kwargs: dict[str, Any]) -> None:
     # The replies get their own descriptor; fd 1 (inherited by SGLang's processes) goes to stderr.
@@ -95,7 +148,7 @@ def _serve(engine_kwargs: dict[str, Any]) -> None:
             break
         try:
             if job["op"] == "generate":
-                reply = _generate(llm, job["requests"], job.get("concurrent", False))
+                reply = _generate(llm, job["requests"], job.get("concurrent", False), job.get("concurrency"))
             elif job["op"] == "info":
                 reply = {"info": _info(llm)}
             else:
@@ -114,13 +167,28 @@ def _params(r: dict[str, Any]) -> dict[str, Any]:
     return p
 
 
-def _generate(llm, requests: list[dict[str, Any]], concurrent: bool) -> dict[str, Any]:
+def _generate(llm, requests: list[dict[str, Any]], concurrent: bool, concurrency: int | None = None
+              ) -> dict[str, Any]:
     def one(res):
         return {"output_ids": res.get("output_ids"), "text": res.get("text"), "meta_info": res.get("meta_info")}
 
     t0 = time.perf_counter()
     results = []
-    if concurrent:
+    if concurrency:
+        import asyncio
+
+        async def run_all():
+            gate = asyncio.Semaphore(int(concurrency))
+
+            async def run(r):
+                async with gate:
+                    return await llm.async_generate(prompt=r["text"], sampling_params=_params(r),
+                                                    image_data=r.get("image"))
+
+            return await asyncio.gather(*(run(r) for r in requests))
+
+        results = [one(o) for o in llm.loop.run_until_complete(run_all())]
+    elif concurrent:
         images = [r.get("image") for r in requests]
         outs = llm.generate(prompt=[r["text"] for r in requests], sampling_params=[_params(r) for r in requests],
                             image_data=images if any(images) else None)
@@ -184,8 +252,14 @@ class EngineProcess:
             raise RuntimeError(reply["error"])
         return reply
 
-    def generate(self, requests: list[dict[str, Any]], concurrent: bool = False) -> dict[str, Any]:
-        return self._call({"op": "generate", "requests": requests, "concurrent": concurrent})
+    def generate(self, requests: list[dict[str, Any]], concurrent: bool = False, concurrency: int | None = None
+                 ) -> dict[str, Any]:
+        """Results in request order; ``concurrency``: at most that many in flight (else ``concurrent``: all at
+        once, or one after another)."""
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        return self._call({"op": "generate", "requests": requests, "concurrent": concurrent,
+                           "concurrency": concurrency})
 
     def info(self) -> dict[str, Any]:
         return self._call({"op": "info"})["info"]

@@ -1,12 +1,16 @@
 """End to end through SGLang's real scheduler on CPU (``sglang.Engine`` in a child process, float32, images).
 
 GLANCE through SGLang must give exactly the tokens of the same engine without speculation and of the embedded
-engine's AR decoding, at batch 1 and with 4 concurrent requests; its accept length must agree with the embedded
-engine's tau; SGLang's strict memory check stays on and no KV slot leaks.
+engine's AR decoding, at batch 1 and with 4 concurrent requests; its accept length (fixed planner: the full tree
+every step) must agree with the embedded engine's tau (fixed planner too); SGLang's strict memory check stays on
+and no KV slot leaks. A third engine runs the test-only random planner (``GLANCE_PLANNER=random:SEED``: random
+tree sizes and plain AR steps without the drafter pass, the cost calibration's extra passes included) with
+several requests in flight, greedy and seeded sampling, and must give the same tokens too.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import pytest
@@ -26,7 +30,11 @@ def run(checkpoints, tmp_path_factory):
     """Both SGLang engines start in the background while the embedded engine decodes the same prompts."""
     target, drafter, kind = checkpoints
     logs = tmp_path_factory.mktemp("sglang_logs")
-    glance = EngineProcess(cpu_engine_kwargs(target, drafter), env=STRICT, log_path=logs / "glance.log", wait=False)
+    glance = EngineProcess(cpu_engine_kwargs(target, drafter), env={**STRICT, "GLANCE_PLANNER": "fixed"},
+                           log_path=logs / "glance.log", wait=False)
+    rand = EngineProcess(cpu_engine_kwargs(target, drafter),
+                         env={**STRICT, "GLANCE_PLANNER": "random:11", "GLANCE_COST_CACHE": "off"},
+                         log_path=logs / "random.log", wait=False)
     plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env=STRICT,
                           log_path=logs / "plain.log", wait=False)
     threads = torch.get_num_threads()
@@ -38,10 +46,11 @@ def run(checkpoints, tmp_path_factory):
         requests, messages = demo_requests(target, N_PROMPTS, MAX_TOKENS)
         engine = GlanceEngine.load(target, drafter)
         params = SamplingParams(max_tokens=MAX_TOKENS)
+        fixed = {"planner": "fixed"} if "planner" in inspect.signature(engine.generate).parameters else {}
         ar, rounds, committed = [], 0, 0
         for m in messages:
             ar.append(engine.generate(m, params, mode="ar").token_ids)
-            gl = engine.generate(m, params, mode="glance")
+            gl = engine.generate(m, params, mode="glance", **fixed)
             rounds += gl.metrics.rounds
             committed += sum(gl.metrics.committed_per_round)
         sampled = engine.generate(messages[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1234),
@@ -56,13 +65,21 @@ def run(checkpoints, tmp_path_factory):
         concurrent = []
         for i in range(0, N_PROMPTS, 4):
             concurrent += glance.generate(requests[i:i + 4], concurrent=True)["results"]
+        seeded = [{**requests[i], "temperature": 0.8, "seed": 1234 + i} for i in range(4)]
+        seeded_fixed = glance.generate(seeded, concurrent=True)["results"]
+        rand.wait_ready()
+        random_greedy = rand.generate(requests, concurrency=6)["results"]
+        random_seeded = rand.generate(seeded, concurrency=3)["results"]
+        rand.close()
         print(f"embedded {t_embedded:.1f}s, engines ready {t_ready:.1f}s, all {time.perf_counter() - t0:.1f}s")
         yield {"kind": kind, "requests": requests, "ar": ar, "tau": committed / max(rounds, 1), "batch1": batch1,
-               "plain": plain_out, "concurrent": concurrent, "glance": glance, "logs": logs, "sampled": sampled}
+               "plain": plain_out, "concurrent": concurrent, "glance": glance, "logs": logs, "sampled": sampled,
+               "seeded_fixed": seeded_fixed, "random_greedy": random_greedy, "random_seeded": random_seeded}
     finally:
         torch.set_num_threads(threads)
         glance.close()
         plain.close()
+        rand.close()
 
 
 def test_batch1_token_identical_to_ar_and_plain_sglang(run):
@@ -119,3 +136,32 @@ def test_sampling_is_seeded_and_equals_embedded(run):
     a, b = run["glance"].generate([req, req])["results"]
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) >= 1
     assert a["output_ids"] == run["sampled"]
+
+
+def test_random_tree_sizes_and_ar_steps_stay_lossless(run):
+    """Random tree sizes (0 .. 31 nodes) and plain AR steps, 6 requests in flight joining and leaving: the same
+    greedy tokens as SGLang without speculation, and seeded samples equal to the fixed tree's (and the embedded
+    engine's for the first)."""
+    for i, (g, p) in enumerate(zip(run["random_greedy"], run["plain"])):
+        assert g["output_ids"] == p["output_ids"], f"prompt {i}: random planner vs SGLang without speculation"
+    for i, (g, f) in enumerate(zip(run["random_seeded"], run["seeded_fixed"])):
+        assert g["output_ids"] == f["output_ids"], f"seeded prompt {i}: random planner vs the fixed tree"
+    assert run["random_seeded"][0]["output_ids"] == run["sampled"]
+    assert len({tuple(g["output_ids"]) for g in run["random_seeded"]}) > 1  # the seeds do differ
+
+
+def test_random_planner_metrics_and_no_leak(run):
+    """AR steps count as verify steps of accept length 1: SGLang's per-request metrics stay consistent."""
+    ar_steps = 0
+    for g in run["random_greedy"] + run["random_seeded"]:
+        mi = g["meta_info"]
+        n, ct = mi["completion_tokens"], mi.get("spec_verify_ct", 0)
+        if n <= 1:
+            continue
+        assert ct >= 1 and sum(mi["spec_correct_drafts_histogram"]) == ct
+        assert mi["spec_accept_length"] == pytest.approx(n / ct)
+        assert 1 + ct <= n <= 1 + ct + mi["spec_num_correct_drafts"]
+        ar_steps += mi["spec_correct_drafts_histogram"][0]
+    assert ar_steps > 0
+    log = (run["logs"] / "random.log").read_text()
+    assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log

@@ -114,6 +114,17 @@ def test_bad_server_args_rejected(tmp_path, kw, message):
         validate_server_args(_args(path, **kw))
 
 
+def test_bad_planner_env_rejected(tmp_path, monkeypatch):
+    from glance_sgl.sglang.plugin import GlanceArgsError, validate_server_args
+
+    path = _drafter_dir(tmp_path)
+    monkeypatch.setenv("GLANCE_PLANNER", "fixed")
+    validate_server_args(_args(path))
+    monkeypatch.setenv("GLANCE_PLANNER", "sometimes")
+    with pytest.raises(GlanceArgsError, match="GLANCE_PLANNER='sometimes': choose auto, fixed"):
+        validate_server_args(_args(path))
+
+
 def test_bad_drafter_directory_rejected(tmp_path):
     from glance_sgl.sglang.plugin import GlanceArgsError, validate_server_args
 

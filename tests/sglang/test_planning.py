@@ -1,0 +1,179 @@
+"""The SGLang worker's planning pieces without an engine: GLANCE_PLANNER parsing, the batch-aware cost model and
+its cache round trip, the test-only random policy, the batched drafter contexts (one extend call per drafter
+pass gives the same drafts as per-request extends, across batch changes and AR steps), AR / calibration trees."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from glance_sgl.drafter import GlanceDrafter
+
+sglang = pytest.importorskip("sglang")
+
+
+def test_planner_mode_from_env(monkeypatch):
+    from glance_sgl.sglang.planning import planner_mode_from_env
+
+    monkeypatch.delenv("GLANCE_PLANNER", raising=False)
+    assert planner_mode_from_env() == ("auto", 0)
+    assert planner_mode_from_env(" Fixed ") == ("fixed", 0)
+    assert planner_mode_from_env("random:17") == ("random", 17)
+    monkeypatch.setenv("GLANCE_PLANNER", "random")
+    assert planner_mode_from_env() == ("random", 0)
+    for bad in ("greedy", "fixed:3", "random:x"):
+        with pytest.raises(ValueError, match="GLANCE_PLANNER"):
+            planner_mode_from_env(bad)
+
+
+def test_batch_cost_model_interpolates_refines_and_round_trips(tmp_path, monkeypatch):
+    from glance_sgl.planner import save_costs
+    from glance_sgl.sglang.planning import BatchCostModel, load_batch_costs
+
+    c = BatchCostModel.prior("k1")
+    c.add_curve(1, [1, 2, 4], [10.0, 9.0, 12.0])  # made non-decreasing
+    c.add_curve(4, [1, 2, 4], [20.0, 24.0, 32.0])
+    c.add_draft_point(1, 3.0)
+    c.add_draft_point(4, 6.0)
+    assert c.curves[1][1] == [10.0, 10.0, 12.0]
+    assert c.pass_ms(4, 1) == pytest.approx(12.0) and c.pass_ms(2, 4) == pytest.approx(24.0)
+    assert c.pass_ms(1, 2) == pytest.approx(10.0 + (20.0 - 10.0) / 3)  # between the calibrated batch sizes
+    assert c.pass_ms(3, 8) > c.pass_ms(3, 4)  # linear extrapolation past the largest
+    assert c.draft_ms(4) == pytest.approx(6.0)
+    c.observe_step(4, 2.0)
+    assert c.verify_ms(2, 4) == pytest.approx(26.0) and c.ar_ms(4) == pytest.approx(22.0)
+    before = c.pass_ms(4, 4)
+    for _ in range(20):
+        c.observe_verify(4, 4, 16.0)  # the machine got faster
+    assert c.pass_ms(4, 4) < before and c.scale < 1.0
+    c.observe_overhead(1.5)
+    assert c.overhead_ms == pytest.approx(1.5)  # the first measurement is the prior
+    monkeypatch.setenv("GLANCE_COST_CACHE", str(tmp_path))
+    assert save_costs(c) is not None
+    again = load_batch_costs("k1")
+    assert load_batch_costs("other") is None
+    assert again.curves == c.curves and again.step_ms == c.step_ms and again.draft_ms_at == c.draft_ms_at
+
+
+def test_random_planner_mixes_ar_steps_and_every_tree_size():
+    from glance_sgl.sglang.planning import BatchCostModel, RandomPlanner, make_planner
+
+    p = make_planner("random", BatchCostModel.prior(), max_nodes=7, max_depth=4, seed=3)
+    assert isinstance(p, RandomPlanner)
+    scores = torch.sort(-torch.rand(2, 8), dim=1, descending=True).values
+    scores[:, 0] = 0
+    depths = torch.tensor([[0, 1, 1, 2, 2, 3, 3, 4]] * 2)
+    drafted, sizes = 0, set()
+    for _ in range(200):
+        if p.gate(["a", "b"], [0.1, 2.0]):
+            drafted += 1
+            plan = p.choose(["a", "b"], scores, depths)
+            sizes.add(plan.nodes)
+            assert len(plan.expected_tokens) == 2 and plan.drafted
+        else:
+            assert p.skip(["a", "b"]).nodes == 0
+    assert 80 < drafted < 190 and sizes == set(range(8))
+    assert make_planner("fixed", BatchCostModel.prior(), 7, 4).mode == "fixed"
+
+
+def _drafter():
+    from glance_sgl.config import GlanceConfig
+
+    cfg = GlanceConfig(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, num_hidden_layers=2, vocab_size=40, num_target_layers=4, tap_layers=[1, 2],
+                       block_size=5, branch_k=2, mask_token_id=3)
+    torch.manual_seed(0)
+    d = GlanceDrafter(cfg).eval()
+    emb = torch.nn.Embedding(40, 32)
+    head = torch.nn.Linear(32, 40, bias=False)
+    d.bind_target(emb, head)
+    return d
+
+
+class _Req:
+    def __init__(self, rid):
+        self.rid, self.done = rid, False
+
+    def finished(self):
+        return self.done
+
+
+def test_batched_contexts_equal_per_request_extends():
+    """Prompts of different lengths, drafted rounds (accepted paths), AR steps (1 row, no drafter pass), a request
+    leaving and coming back, a new one merging and the batch reordered: the batched cache's drafts equal those
+    of a per-request reference cache fed token by token."""
+    from glance_sgl.sglang.draft_context import DraftContexts
+
+    d = _drafter()
+    dim = 2 * 32
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(1)
+    ctx = DraftContexts(d)
+    ref = {}
+
+    def start(rid, n):
+        taps = torch.randn(n, dim, generator=g)
+        ctx.start(_Req(rid), capacity=4)  # small: the caches must grow
+        ctx.extend_own(rid, taps)
+        ref[rid] = d.new_cache(1, capacity=4)
+        d.extend_context(ref[rid], taps[None], torch.tensor([n]))
+
+    def step(rids, rows):
+        """One verify-like pass of ``rows`` rows per request; commits a random accepted path."""
+        taps = torch.randn(len(rids), rows, dim, generator=g)
+        counts = [rng.randint(1, rows) for _ in rids]
+        acc = torch.full((len(rids), rows), -1, dtype=torch.long)
+        for b, k in enumerate(counts):  # the root, then accepted rows in tree order
+            acc[b, :k] = torch.tensor([0] + sorted(rng.sample(range(1, rows), k - 1)))
+        ctx.stash(rids, taps, acc, counts)
+        for b, (rid, k) in enumerate(zip(rids, counts)):
+            d.extend_context(ref[rid], taps[b, acc[b, :k]][None], torch.tensor([k]))
+
+    def check(rids):
+        roots = torch.tensor([rng.randrange(40) for _ in rids])
+        got = d.draft_block(ctx.catch_up(rids), roots)
+        for b, rid in enumerate(rids):
+            want = d.draft_block(ref[rid], roots[b:b + 1])
+            assert torch.allclose(got[b:b + 1], want, atol=1e-5), rid
+        assert all(not ctx.states[r].pending for r in rids)
+
+    start("a", 7)
+    start("b", 3)
+    check(["a", "b"])
+    step(["a", "b"], 4)
+    check(["a", "b"])
+    step(["a", "b"], 1)  # AR steps: no drafter pass, features stashed
+    step(["a", "b"], 1)
+    step(["a", "b"], 3)
+    check(["a", "b"])
+    start("c", 5)  # a new request merges; "a" leaves the batch for a while
+    check(["b", "c"])
+    step(["b", "c"], 5)
+    step(["b"], 1)
+    check(["c", "a", "b"])  # "a" back, reordered
+    ctx.drop("c")
+    step(["a", "b"], 2)
+    check(["b", "a"])
+    assert len(ctx) == 2
+
+
+def test_ar_and_calibration_trees_verify_inputs():
+    from glance_sgl.sglang.glance_info import build_verify_input
+    from glance_sgl.sglang.glance_worker import chain_of, entropies_nats, root_tree
+
+    roots = torch.tensor([5, 9])
+    seq_lens = torch.tensor([4, 6])
+    req_to_token = torch.arange(3 * 16).view(3, 16)
+    vt = build_verify_input(root_tree(roots), seq_lens, [4, 6], torch.tensor([2, 0]), req_to_token)
+    assert vt.spec_info.draft_token_num == 1 and vt.input_ids.tolist() == [5, 9]
+    assert vt.spec_info.positions.tolist() == [4, 6]
+    assert vt.spec_info.custom_mask.bool().all() and vt.spec_info.custom_mask.numel() == 5 + 7
+    assert vt.out_cache_loc.tolist() == [2 * 16 + 4, 6]
+    chain = chain_of(roots, 3)
+    vt = build_verify_input(chain, seq_lens, [4, 6], torch.tensor([2, 0]), req_to_token)
+    assert vt.spec_info.positions.view(2, 3).tolist() == [[4, 5, 6], [6, 7, 8]]
+    assert vt.spec_info.draft_token_num == 3
+    h = entropies_nats(torch.tensor([[0.0, 0.0], [100.0, 0.0]]))
+    assert h[0] == pytest.approx(0.6931, abs=1e-4) and h[1] == pytest.approx(0.0, abs=1e-6)
