@@ -78,6 +78,43 @@ def test_open_choices_are_wide_and_lean_on_the_picture():
     assert len(answers) == 30
 
 
+def test_wild_task_is_deterministic_and_unlike_the_demo_tasks():
+    from glance_sgl.demo.tasks import MAKERS
+    from glance_sgl.demo.wild import KINDS, TASK, make_wild, wild_set
+
+    a, b = wild_set(), wild_set()
+    assert len(a) == 40 and TASK not in TASKS and TASK not in MAKERS  # never trained on
+    again = make_wild(7)  # rebuilt from the seed, not cached
+    assert again.key == a[7].key and [pixels(i) for i in again.images] == [pixels(i) for i in a[7].images]
+    assert [e.key for e in wild_set(seed=1)] != [e.key for e in a]
+    assert {e.kind for e in a[: len(KINDS)]} == set(KINDS)  # any limit of six or more covers every kind
+    demo_prompts = {ex.prompt for t in TASKS for ex in eval_set(t)}
+    demo_sizes = {ex.image.size for t in TASKS for ex in eval_set(t)}
+    assert not {e.prompt for e in a} & demo_prompts
+    sizes = {img.size for e in a for img in e.images}
+    assert len(sizes) >= 6 and not sizes & demo_sizes and len({w / h for w, h in sizes}) >= 4
+    counts = {kind: sum(e.kind == kind for e in a) for kind in KINDS}
+    assert min(counts.values()) >= 6
+    by_kind = {e.kind: e for e in a}
+    assert not by_kind["text_only"].images and isinstance(by_kind["text_only"].messages()[0]["content"], str)
+    assert [m["role"] for m in by_kind["chat"].messages()] == ["system", "user", "assistant", "user"]
+    assert len(by_kind["two_images"].images) == 2 and len(by_kind["long"].prompt) > 600
+    noise = np.asarray(by_kind["noise"].images[0], dtype=float)
+    photo = np.asarray(by_kind["photo"].images[0], dtype=float)
+    assert noise.std() > 20 and photo.std() > 5  # textured pictures, not flat canvases
+
+
+def test_wild_requests_are_accepted_by_both_targets(targets):
+    """Every kind goes through each target's processor (odd sizes and aspect ratios, system and assistant turns,
+    two images, no image); the long prompts are long in tokens too. (The bench test runs one through every
+    decoding method.)"""
+    from glance_sgl.demo.wild import KINDS, wild_set
+
+    for arch, target in targets.items():
+        tokens = {ex.kind: target.prepare(ex.messages()).num_tokens for ex in wild_set()[: len(KINDS)]}
+        assert tokens["long"] > 4 * tokens["text_only"] and tokens["two_images"] > tokens["text_only"], (arch, tokens)
+
+
 @pytest.fixture(scope="module")
 def bundled():
     from glance_sgl.engine import GlanceEngine
@@ -147,26 +184,70 @@ def test_make_serve_example_is_answered_as_printed(bundled):
     assert bundled.generate(example().messages(), SamplingParams(max_tokens=64)).text.strip() == example().answer
 
 
-def test_bench_report_schema(engines):
-    from glance_sgl.demo.bench import format_table, run_bench
+METHOD_COLUMNS = ("tau", "tau_minus_1", "decode_ms_per_token", "decode_speedup", "e2e_speedup",
+                  "round_cost_ar_steps", "efficiency", "lossless_match_rate", "mean_rows_per_round", "rows_histogram",
+                  "rounds_without_drafting", "predicted_tokens_per_round", "actual_tokens_per_predicted_round")
 
-    report = run_bench(engines["qwen2_5_vl"], limit=1, max_tokens=8, tasks=("caption", "open"), progress=False)
-    for task in ("caption", "open"):
-        s = report["tasks"][task]
-        for key in ("grounded", "tau", "decode_speedup", "e2e_speedup", "lossless_match_rate",
-                    "chain_decode_speedup", "prompt_lookup_decode_speedup", "mean_root_entropy"):
-            assert key in s
-        assert s["lossless_match_rate"] == 1.0
-    assert report["tasks"]["caption"]["grounded"] and not report["tasks"]["open"]["grounded"]
-    assert "geomean_decode_speedup" in report and "holds" in report["law"]
-    assert "geomean" in format_table(report)
-    # the law is fitted on every round but each request's last (cut short by the end of the answer)
-    from glance_sgl.demo.tasks import eval_set
+
+def test_bench_report_has_every_method_and_column(engines, tmp_path):
+    """A tiny bench on the random pair: AR, GLANCE auto and fixed, the chain and the HF peers on a demo task and
+    on wild, every column, lossless, the law fitted on the fixed run's drafting rounds, JSON and plots."""
+    import json
+
+    from glance_sgl.demo.bench import format_table, run_bench, save_json, write_plots
+    from glance_sgl.demo.wild import wild_set
     from glance_sgl.engine import SamplingParams
 
-    glance = engines["qwen2_5_vl"].generate(eval_set("caption")[0].messages(), SamplingParams(max_tokens=8))
-    assert report["_rounds"]["caption"]["entropy"] == pytest.approx(glance.metrics.root_entropies[:-1], abs=1e-3)
-    assert report["_rounds"]["caption"]["accepted"] == glance.metrics.accept_lengths[:-1]
+    engine = engines["qwen2_5_vl"]
+    report = run_bench(engine, limit=1, max_tokens=8, tasks=("caption", "wild"), progress=False)
+    assert report["methods"] == ["ar", "auto", "fixed", "chain", "hf_greedy", "hf_prompt_lookup"]
+    for task in ("caption", "wild"):
+        s = report["tasks"][task]
+        assert set(s["methods"]) == set(report["methods"])
+        for method, m in s["methods"].items():
+            assert set(METHOD_COLUMNS) <= set(m), method
+            assert m["decode_speedup"] > 0 and m["e2e_speedup"] > 0
+        for method in ("ar", "auto", "fixed", "chain", "hf_greedy"):
+            assert s["methods"][method]["lossless_match_rate"] == 1.0, method
+        assert s["lossless_match_rate"] == 1.0
+        ar, auto, fixed = s["methods"]["ar"], s["methods"]["auto"], s["methods"]["fixed"]
+        assert ar["round_cost_ar_steps"] == pytest.approx(1.0) and ar["tau"] == 1.0
+        assert ar["rows_histogram"] == {"1": ar["rounds"]} and ar["rounds_without_drafting"] == ar["rounds"]
+        assert fixed["rounds_without_drafting"] == 0 and "1" not in fixed["rows_histogram"]
+        assert sum(auto["rows_histogram"].values()) == auto["rounds"] >= auto["rounds_without_drafting"]
+        assert auto["predicted_tokens_per_round"] >= 1.0 and fixed["predicted_tokens_per_round"] >= 1.0
+        for m in (auto, fixed, s["methods"]["chain"]):
+            assert m["efficiency"] == pytest.approx(m["decode_speedup"] / m["tau"])
+        assert s["methods"]["hf_prompt_lookup"]["tau"] is None  # its rounds are not observable
+    assert report["tasks"]["caption"]["demo_task"] and not report["tasks"]["wild"]["demo_task"]
+    assert report["geomean_tasks"] == ["caption"]  # wild is reported apart
+    assert report["geomean_decode_speedup"] == pytest.approx(report["tasks"]["caption"]["methods"]["auto"]
+                                                             ["decode_speedup"])
+    assert set(report["wild"]) == set(report["methods"]) - {"ar"} and "holds" in report["law"]
+    table = format_table(report)
+    for text in ("GLANCE auto", "GLANCE fixed", "round/AR", "eff", "rows/rd", "pred/rd", "wild (not trained"):
+        assert text in table
+    # the law is fitted on the fixed run's drafting rounds but each request's last (cut short by the answer's end)
+    fixed = engine.generate(wild_set()[0].messages(), SamplingParams(max_tokens=8), planner="fixed")
+    assert report["law_method"] == "fixed"
+    assert report["_rounds"]["wild"]["entropy"] == pytest.approx(fixed.metrics.root_entropies[:-1], abs=1e-3)
+    assert report["_rounds"]["wild"]["accepted"] == fixed.metrics.accept_lengths[:-1]
+    save_json(report, tmp_path / "report.json")
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["tasks"]["wild"]["methods"]["auto"]["rows_histogram"] and "_rounds" not in saved
+    assert [p.name for p in write_plots(report, tmp_path / "plots")] == [
+        "speedup_per_task.png", "tau_per_task.png", "entropy_law.png"]
+
+
+def test_bench_single_planner(engines):
+    from glance_sgl.demo.bench import run_bench
+
+    report = run_bench(engines["qwen2_5_vl"], limit=1, max_tokens=6, tasks=("open",), progress=False, peers=False,
+                       planners=("fixed",))
+    assert report["methods"] == ["ar", "fixed", "chain"] and report["glance_method"] == "fixed"
+    assert report["tasks"]["open"]["methods"]["fixed"]["lossless_match_rate"] == 1.0
+    with pytest.raises(ValueError, match="planners"):
+        run_bench(engines["qwen2_5_vl"], limit=1, planners=("greedy",))
 
 
 def test_sweep_compares_tree_configs_with_the_chain(engines):
@@ -174,11 +255,13 @@ def test_sweep_compares_tree_configs_with_the_chain(engines):
 
     engine = engines["qwen2_5_vl"]
     before = engine.budget, engine.branch_k
-    sweep = run_sweep(engine, [(3, 1), (9, 2)], limit=1, max_tokens=8, tasks=("caption",), progress=False)
-    assert (engine.budget, engine.branch_k) == before  # the engine's own settings come back
+    sweep = run_sweep(engine, [(3, 1), (9, 2)], limit=1, max_tokens=8, tasks=("caption",), progress=False,
+                      planners=("fixed",))
+    assert (engine.budget, engine.branch_k) == before  # the engine's own settings stay
     assert [(r["budget"], r["branch_k"]) for r in sweep["configs"]] == [(3, 1), (9, 2)]
     for row in sweep["configs"]:
         s = row["tasks"]["caption"]
+        assert row["glance_method"] == "fixed" and set(row["geomean"]) == {"fixed", "chain"}
         assert s["tau"] >= 1 and s["decode_speedup"] > 0 and s["chain_decode_speedup"] > 0
         assert row["tree_beats_chain"] == (["caption"] if s["decode_speedup"] > s["chain_decode_speedup"] else [])
     assert "budget   9 branch_k 2" in format_sweep(sweep)

@@ -1,10 +1,19 @@
-"""`glance bench`: AR vs GLANCE (and peers) back to back in one process on the demo evaluation prompts.
+"""`glance bench`: AR vs GLANCE (and peers) back to back in one process on the same prompts.
 
-For every task and prompt, in this order: the engine's AR path, GLANCE (tree), the width-1 chain, Hugging Face
-``generate`` greedy and Hugging Face prompt-lookup decoding, all on the same target and prompt. Decode speedup =
-AR decode ms/token / the method's decode ms/token (per task: total decode time over total decode tokens).
-Peers through ``generate`` (greedy, prompt lookup) start from a separate prefill pass; their decode time is the
-``generate`` call. Their token-for-token agreement with the AR path is reported as a match rate.
+For every task and prompt the engine's methods run back to back in an order that rotates from prompt to prompt:
+the AR path, GLANCE with the cost-aware planner (``auto``), GLANCE with today's fixed tree every round
+(``fixed``) and the width-1 chain; then Hugging Face ``generate`` greedy and prompt-lookup decoding. Tasks: the
+five demo tasks and ``wild`` (requests unlike them, :mod:`.wild`; reported apart from the five-task geomean).
+
+Per method and task (totals over the task's prompts): tau (committed tokens per round, bonus included), decode
+ms/token, decode and end-to-end speedups over AR, round cost in AR steps ((decode ms / rounds) / AR's decode
+ms per token: what one round costs), efficiency (speedup / tau: the share of tau the round cost leaves),
+token-for-token match with AR, rows verified per round (1 = a round without drafting) and the tokens the planner
+predicted per round next to what was committed. Peers through ``generate`` start from a separate prefill pass;
+their decode time is the ``generate`` call (prompt lookup's rounds are not observable: no tau for it).
+
+The entropy law is fitted on the ``fixed`` run's drafting rounds (rows > 1; every round drafts there), without
+each request's last round, whose accepted length the end of the answer cuts short.
 """
 
 from __future__ import annotations
@@ -14,79 +23,187 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ..engine import GlanceEngine, SamplingParams
 from ..law import fit_entropy_law
 from .tasks import GROUNDED, TASKS, eval_set
+from .wild import TASK as WILD
+from .wild import wild_set
 
-METHODS = ("ar", "glance", "chain", "hf_greedy", "hf_prompt_lookup")
+BENCH_TASKS = TASKS + (WILD,)
+PLANNERS = ("auto", "fixed")
+PEERS = ("hf_greedy", "hf_prompt_lookup")
+LABELS = {"ar": "AR", "auto": "GLANCE auto", "fixed": "GLANCE fixed", "chain": "chain",
+          "hf_greedy": "HF greedy", "hf_prompt_lookup": "HF lookup"}
+
+
+def bench_examples(task: str, limit: int) -> list[Any]:
+    """The first ``limit`` evaluation requests of ``task`` (a demo task or ``wild``); each has ``messages()``."""
+    if task == WILD:
+        return list(wild_set()[:limit])
+    if task not in TASKS:
+        raise ValueError(f"unknown bench task {task!r}; tasks: {', '.join(BENCH_TASKS)}")
+    return list(eval_set(task)[:limit])
+
+
+def engine_methods(planners: Sequence[str] = PLANNERS) -> tuple[str, ...]:
+    """The engine's methods for a choice of GLANCE planners: AR, each planner, the chain."""
+    bad = [p for p in planners if p not in PLANNERS]
+    if bad or not planners:
+        raise ValueError(f"planners must be a non-empty subset of {PLANNERS}, got {list(planners)}")
+    return ("ar", *[p for p in PLANNERS if p in planners], "chain")
+
+
+def _run_method(engine: GlanceEngine, messages, params: SamplingParams, method: str):
+    if method in PLANNERS:
+        return engine.generate(messages, params, mode="glance", planner=method)
+    return engine.generate(messages, params, mode=method)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den and math.isfinite(den) and den > 0 else None
+
+
+def _geomean(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals and len(vals) == len(values) else None
 
 
 @dataclass
-class MethodTotals:
+class MethodStats:
+    """One method's totals over a task's prompts. ``rounds`` is None where rounds are not observable."""
+
     decode_ms: float = 0.0
     decode_tokens: int = 0
     e2e_ms: float = 0.0
+    committed: int = 0
+    rounds: int | None = 0
+    prompts: int = 0
+    matches: int = 0
+    rows: dict[int, int] = field(default_factory=dict)
+    without_drafting: int = 0
+    predicted: float = 0.0  # sum of the planner's predicted tokens over the rounds that had a prediction
+    predicted_rounds: int = 0
+    predicted_committed: int = 0  # tokens committed by those rounds
 
-    def add(self, decode_ms: float, decode_tokens: int, e2e_ms: float) -> None:
+    def add_result(self, result, ar_tokens: list[int]) -> None:
+        """One engine run (a ``GenerationResult``) of a prompt whose AR tokens are ``ar_tokens``."""
+        m = result.metrics
+        self.add_timing(m.decode_ms, m.decode_tokens, m.prefill_ms + m.decode_ms, result.token_ids == ar_tokens)
+        self.committed += sum(m.committed_per_round)
+        self.rounds = (self.rounds or 0) + m.rounds
+        for r in m.rows_per_round:
+            self.rows[r] = self.rows.get(r, 0) + 1
+        self.without_drafting += m.rounds_without_drafting
+        pred = list(m.predicted_per_round)
+        if pred:
+            self.predicted += sum(pred)
+            self.predicted_rounds += len(pred)
+            # predictions cover every round (the planner predicts AR rounds too); else compare with all rounds
+            committed = m.committed_per_round if len(pred) == m.rounds else m.committed_per_round[-len(pred):]
+            self.predicted_committed += sum(committed)
+
+    def add_peer(self, tokens: list[int], decode_ms: float, e2e_ms: float, ar_tokens: list[int]) -> None:
+        """One Hugging Face ``generate`` run; with observable rounds (greedy) one round per decoded token."""
+        decoded = max(len(tokens) - 1, 0)
+        self.add_timing(decode_ms, decoded, e2e_ms, tokens == ar_tokens)
+        if self.rounds is not None:
+            self.rounds += decoded
+            self.committed += decoded
+
+    def add_timing(self, decode_ms: float, decode_tokens: int, e2e_ms: float, match: bool) -> None:
         self.decode_ms += decode_ms
         self.decode_tokens += decode_tokens
         self.e2e_ms += e2e_ms
+        self.prompts += 1
+        self.matches += int(match)
 
     @property
-    def ms_per_token(self) -> float:
-        return self.decode_ms / self.decode_tokens if self.decode_tokens else math.nan
+    def ms_per_token(self) -> float | None:
+        return self.decode_ms / self.decode_tokens if self.decode_tokens else None
+
+    @property
+    def tau(self) -> float | None:
+        if self.rounds is None:
+            return None
+        return self.committed / self.rounds if self.rounds else 1.0
+
+    def summary(self, ar: "MethodStats") -> dict[str, Any]:
+        """The method's columns, against the AR totals ``ar`` of the same prompts."""
+        tau, ms, ar_ms = self.tau, self.ms_per_token, ar.ms_per_token
+        speedup = _ratio(ar_ms, ms)
+        round_ms = self.decode_ms / self.rounds if self.rounds else None
+        total_rows = sum(r * n for r, n in self.rows.items())
+        return {
+            "tau": tau,
+            "tau_minus_1": tau - 1.0 if tau is not None else None,
+            "decode_ms_per_token": ms,
+            "decode_speedup": speedup,
+            "e2e_speedup": _ratio(ar.e2e_ms, self.e2e_ms),
+            "round_cost_ar_steps": _ratio(round_ms, ar_ms),
+            "efficiency": _ratio(speedup, tau),
+            "lossless_match_rate": self.matches / self.prompts if self.prompts else None,
+            "rounds": self.rounds,
+            "mean_rows_per_round": total_rows / self.rounds if self.rounds and self.rows else None,
+            "rows_histogram": {str(r): self.rows[r] for r in sorted(self.rows)},
+            "rounds_without_drafting": self.without_drafting if self.rows else None,
+            "rounds_without_drafting_fraction": self.without_drafting / self.rounds
+            if self.rows and self.rounds else None,
+            "predicted_tokens_per_round": _ratio(self.predicted, self.predicted_rounds),
+            "actual_tokens_per_predicted_round": _ratio(self.predicted_committed, self.predicted_rounds),
+        }
 
 
 @dataclass
 class TaskResult:
     task: str
-    totals: dict[str, MethodTotals] = field(default_factory=lambda: {m: MethodTotals() for m in METHODS})
-    committed: int = 0
-    rounds: int = 0
-    chain_committed: int = 0
-    chain_rounds: int = 0
-    matches: int = 0
-    peer_prompts: int = 0
-    hf_matches: int = 0
-    prompt_lookup_matches: int = 0
+    methods: tuple[str, ...]
+    stats: dict[str, MethodStats] = field(default_factory=dict)
     prompts: int = 0
-    entropies: list[float] = field(default_factory=list)  # every round's root entropy (nats)
-    # The rounds the entropy law is fitted on: all but each request's last, whose accepted length is cut short by
-    # the end of the answer (EOS, stop, max_tokens) rather than by what the drafter could guess.
+    entropies: list[float] = field(default_factory=list)  # root entropy of every drafting round (nats)
+    # rounds the entropy law is fitted on (see the module docstring)
     law_entropies: list[float] = field(default_factory=list)
     law_accepts: list[int] = field(default_factory=list)
 
-    def speedup(self, method: str, e2e: bool = False) -> float:
-        ar, other = self.totals["ar"], self.totals[method]
-        if e2e:
-            return ar.e2e_ms / other.e2e_ms if other.e2e_ms else math.nan
-        mine = other.ms_per_token
-        return ar.ms_per_token / mine if mine > 0 else math.nan
+    def __post_init__(self) -> None:
+        for m in self.methods:
+            self.stats.setdefault(m, MethodStats(rounds=None if m == "hf_prompt_lookup" else 0))
 
-    def summary(self) -> dict[str, Any]:
-        tau = self.committed / self.rounds if self.rounds else 1.0
+    def add_law_rounds(self, metrics) -> None:
+        """A drafting run's rounds: every drafting round (rows > 1) for the mean entropy, all of them but the
+        request's last round for the law. Root entropies are per round, or per drafting round when a planner's
+        rounds without drafting record none."""
+        rows, accepts, h = metrics.rows_per_round, metrics.accept_lengths, metrics.root_entropies
+        drafting = [i for i, r in enumerate(rows) if r > 1]
+        if len(h) == len(rows):
+            h = [h[i] for i in drafting]
+        elif len(h) != len(drafting):
+            return  # entropies that cannot be matched with rounds: leave them out rather than guess
+        last = len(rows) - 1
+        self.entropies += h
+        self.law_entropies += [x for x, i in zip(h, drafting) if i != last]
+        self.law_accepts += [accepts[i] for i in drafting if i != last]
+
+    def summary(self, headline: str) -> dict[str, Any]:
+        ar = self.stats["ar"]
+        methods = {m: s.summary(ar) for m, s in self.stats.items()}
+        head = methods[headline]
+        matched = [methods[m]["lossless_match_rate"] for m in self.methods if m not in ("ar", *PEERS)]
         return {
-            "grounded": GROUNDED[self.task],
+            "grounded": GROUNDED.get(self.task, False),
+            "demo_task": self.task in TASKS,
             "prompts": self.prompts,
-            "tau": tau,
-            "tau_minus_1": tau - 1,
-            "chain_tau": self.chain_committed / self.chain_rounds if self.chain_rounds else 1.0,
-            "ar_decode_ms_per_token": self.totals["ar"].ms_per_token,
-            "glance_decode_ms_per_token": self.totals["glance"].ms_per_token,
-            "decode_speedup": self.speedup("glance"),
-            "e2e_speedup": self.speedup("glance", e2e=True),
-            "chain_decode_speedup": self.speedup("chain"),
-            "hf_greedy_decode_speedup": self.speedup("hf_greedy"),
-            "prompt_lookup_decode_speedup": self.speedup("hf_prompt_lookup"),
-            "lossless_match_rate": self.matches / self.prompts if self.prompts else math.nan,
-            "hf_generate_match_rate": self.hf_matches / self.peer_prompts if self.peer_prompts else math.nan,
-            "prompt_lookup_match_rate": self.prompt_lookup_matches / self.peer_prompts
-            if self.peer_prompts else math.nan,
-            "mean_root_entropy": sum(self.entropies) / len(self.entropies) if self.entropies else math.nan,
+            "glance_method": headline,
+            "tau": head["tau"],
+            "tau_minus_1": head["tau_minus_1"],
+            "decode_speedup": head["decode_speedup"],
+            "e2e_speedup": head["e2e_speedup"],
+            "lossless_match_rate": min(matched) if matched else None,  # every engine method vs AR
+            "mean_root_entropy": sum(self.entropies) / len(self.entropies) if self.entropies else None,
+            "methods": methods,
         }
 
 
@@ -120,61 +237,71 @@ def _hf_decode(target, messages, max_tokens: int, **kwargs) -> tuple[list[int], 
     return tokens, decode, prefill + decode
 
 
-def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks: tuple[str, ...] = TASKS,
-              progress: bool = True, peers: bool = True) -> dict[str, Any]:
+def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks: tuple[str, ...] = BENCH_TASKS,
+              progress: bool = True, peers: bool = True, planners: Sequence[str] = PLANNERS) -> dict[str, Any]:
+    """Every method on the first ``limit`` prompts of every task, back to back (module docstring).
+
+    ``planners``: the GLANCE methods to run (``("auto", "fixed")`` or one of them). The report's headline
+    method (``glance_method``, the flat per-task keys and ``geomean_decode_speedup``) is ``auto`` when it runs.
+    """
     from tqdm import tqdm
 
+    methods = engine_methods(planners)
+    headline = "auto" if "auto" in methods else methods[1]
+    all_methods = methods + (PEERS if peers else ())
     params = SamplingParams(max_tokens=max_tokens)
     target = engine.target
-    warm = eval_set(tasks[0])[0].messages()
-    for mode in ("ar", "glance", "chain"):
-        engine.generate(warm, params, mode=mode)
+    warm = bench_examples(tasks[0], 1)[0].messages()
+    for method in methods:
+        _run_method(engine, warm, params, method)
     results: dict[str, TaskResult] = {}
-    jobs = [(task, ex) for task in tasks for ex in eval_set(task)[:limit]]
-    modes = ("ar", "glance", "chain")
-    for i, (task, ex) in enumerate(tqdm(jobs, desc="bench", disable=not progress, dynamic_ncols=True)):
-        res = results.setdefault(task, TaskResult(task))
+    jobs = [(task, ex) for task in tasks for ex in bench_examples(task, limit)]
+    bar = tqdm(jobs, desc="bench", disable=not progress, dynamic_ncols=True)
+    for i, (task, ex) in enumerate(bar):
+        bar.set_postfix_str(task, refresh=False)
+        res = results.setdefault(task, TaskResult(task, all_methods))
         messages = ex.messages()
-        # the three methods run back to back in an order that rotates from prompt to prompt, so no method
+        # the engine's methods run back to back in an order that rotates from prompt to prompt, so no method
         # always runs first (or right after another) on a machine whose speed drifts
-        runs = {mode: engine.generate(messages, params, mode=mode) for mode in modes[i % 3:] + modes[:i % 3]}
-        ar, gl, ch = runs["ar"], runs["glance"], runs["chain"]
-        for name, r in runs.items():
-            m = r.metrics
-            res.totals[name].add(m.decode_ms, m.decode_tokens, m.prefill_ms + m.decode_ms)
+        k = i % len(methods)
+        runs = {m: _run_method(engine, messages, params, m) for m in methods[k:] + methods[:k]}
+        ar_tokens = runs["ar"].token_ids
+        for m in methods:
+            res.stats[m].add_result(runs[m], ar_tokens)
         res.prompts += 1
-        res.matches += int(gl.token_ids == ar.token_ids and ch.token_ids == ar.token_ids)
-        res.committed += sum(gl.metrics.committed_per_round)
-        res.rounds += gl.metrics.rounds
-        res.chain_committed += sum(ch.metrics.committed_per_round)
-        res.chain_rounds += ch.metrics.rounds
-        res.entropies += gl.metrics.root_entropies
-        res.law_entropies += gl.metrics.root_entropies[:-1]
-        res.law_accepts += gl.metrics.accept_lengths[:-1]
+        res.add_law_rounds(runs["fixed" if "fixed" in runs else headline].metrics)
         if peers:
-            res.peer_prompts += 1
-            toks, dec, e2e = _hf_decode(target, messages, len(ar.token_ids))
-            res.totals["hf_greedy"].add(dec, max(len(toks) - 1, 0), e2e)
-            res.hf_matches += int(toks == ar.token_ids)
-            toks, dec, e2e = _hf_decode(target, messages, len(ar.token_ids), prompt_lookup_num_tokens=10)
-            res.totals["hf_prompt_lookup"].add(dec, max(len(toks) - 1, 0), e2e)
-            res.prompt_lookup_matches += int(toks == ar.token_ids)
-    summary = {task: r.summary() for task, r in results.items()}
-    speedups = [s["decode_speedup"] for s in summary.values()]
+            toks, dec, e2e = _hf_decode(target, messages, len(ar_tokens))
+            res.stats["hf_greedy"].add_peer(toks, dec, e2e, ar_tokens)
+            toks, dec, e2e = _hf_decode(target, messages, len(ar_tokens), prompt_lookup_num_tokens=10)
+            res.stats["hf_prompt_lookup"].add_peer(toks, dec, e2e, ar_tokens)
+    summary = {task: r.summary(headline) for task, r in results.items()}
+    demo = [t for t in summary if t in TASKS]
+    geomean = {m: {"decode_speedup": _geomean([summary[t]["methods"][m]["decode_speedup"] for t in demo]),
+                   "e2e_speedup": _geomean([summary[t]["methods"][m]["e2e_speedup"] for t in demo])}
+               for m in all_methods if m != "ar"} if demo else {}
     out: dict[str, Any] = {
         "tasks": summary,
-        "geomean_decode_speedup": math.exp(sum(math.log(s) for s in speedups) / len(speedups)),
-        "geomean_e2e_speedup": math.exp(sum(math.log(s["e2e_speedup"]) for s in summary.values()) / len(summary)),
+        "methods": list(all_methods),
+        "glance_method": headline,
+        "geomean_tasks": demo,
+        "geomean": geomean,
+        "geomean_decode_speedup": geomean[headline]["decode_speedup"] if demo else None,
+        "geomean_e2e_speedup": geomean[headline]["e2e_speedup"] if demo else None,
         "budget": engine.budget,
         "branch_k": engine.branch_k,
+        "max_nodes": getattr(engine, "max_nodes", None),
         "block_size": engine.block_size,
         "max_tokens": max_tokens,
+        "limit": limit,
+        "law_method": "fixed" if "fixed" in methods else headline,
     }
+    if WILD in summary:
+        out["wild"] = {m: s["decode_speedup"] for m, s in summary[WILD]["methods"].items() if m != "ar"}
     entropies = [h for r in results.values() for h in r.law_entropies]
     accepts = [a for r in results.values() for a in r.law_accepts]
     try:
-        law = fit_entropy_law(entropies, accepts, engine.block_size - 1)
-        out["law"] = law.to_dict()
+        out["law"] = fit_entropy_law(entropies, accepts, engine.block_size - 1).to_dict()
     except ValueError as exc:
         out["law"] = {"error": str(exc), "holds": False}
     out["_rounds"] = {t: {"entropy": r.law_entropies, "accepted": r.law_accepts} for t, r in results.items()}
@@ -193,70 +320,112 @@ def parse_sweep(spec: str) -> list[tuple[int, int]]:
 
 
 def run_sweep(engine: GlanceEngine, configs: list[tuple[int, int]], limit: int = 10, max_tokens: int = 96,
-              tasks: tuple[str, ...] = TASKS, progress: bool = True) -> dict[str, Any]:
-    """The bench (without the HF peers) once per (budget, branch_k): AR, tree and chain back to back each time.
+              tasks: tuple[str, ...] = TASKS, progress: bool = True,
+              planners: Sequence[str] = PLANNERS) -> dict[str, Any]:
+    """The bench (without the HF peers) once per (budget, branch_k): AR, the GLANCE ``planners`` (both by
+    default; one with ``glance bench --planner``) and the chain back to back each time.
 
-    Returns ``{"configs": [{"budget", "branch_k", "geomean_decode_speedup", "geomean_chain_decode_speedup",
-    "tree_beats_chain": [tasks], "tasks": {task: {"tau", "decode_speedup", "chain_decode_speedup"}}}]}``.
+    Returns ``{"configs": [{"budget", "branch_k", "glance_method", "geomean_decode_speedup",
+    "geomean_chain_decode_speedup", "geomean": {method: x}, "tree_beats_chain": [tasks],
+    "tasks": {task: {"tau", "decode_speedup", "chain_decode_speedup", "methods": {method: {"tau",
+    "decode_speedup"}}}}}]}``; the flat keys are the headline GLANCE method's.
     """
-    saved = engine.budget, engine.branch_k
     rows = []
-    try:
-        for budget, branch_k in configs:
-            engine.budget, engine.branch_k = budget, branch_k
-            rep = run_bench(engine, limit=limit, max_tokens=max_tokens, tasks=tasks, progress=progress, peers=False)
-            per_task = {t: {k: s[k] for k in ("tau", "decode_speedup", "chain_decode_speedup")}
-                        for t, s in rep["tasks"].items()}
-            chain = [s["chain_decode_speedup"] for s in per_task.values()]
-            rows.append({
-                "budget": budget, "branch_k": branch_k,
-                "geomean_decode_speedup": rep["geomean_decode_speedup"],
-                "geomean_chain_decode_speedup": math.exp(sum(math.log(c) for c in chain) / len(chain)),
-                "tree_beats_chain": [t for t, s in per_task.items() if s["decode_speedup"] > s["chain_decode_speedup"]],
-                "tasks": per_task,
-            })
-    finally:
-        engine.budget, engine.branch_k = saved
+    for budget, branch_k in configs:
+        # a fresh engine on the same target and drafter per config: its planners are built for its tree sizes
+        config_engine = GlanceEngine(engine.target, engine.drafter, budget=budget, branch_k=branch_k,
+                                     mode=engine.mode, planner=engine.planner_mode)
+        rep = run_bench(config_engine, limit=limit, max_tokens=max_tokens, tasks=tasks, progress=progress,
+                        peers=False, planners=planners)
+        per_task = {}
+        for t, s in rep["tasks"].items():
+            ms = s["methods"]
+            per_task[t] = {"tau": s["tau"], "decode_speedup": s["decode_speedup"],
+                           "chain_decode_speedup": ms["chain"]["decode_speedup"],
+                           "methods": {m: {"tau": v["tau"], "decode_speedup": v["decode_speedup"]}
+                                       for m, v in ms.items() if m != "ar"}}
+        geo = {m: _geomean([p["methods"][m]["decode_speedup"] for p in per_task.values()])
+               for m in rep["methods"] if m != "ar"}
+        rows.append({
+            "budget": budget, "branch_k": branch_k, "glance_method": rep["glance_method"],
+            "geomean_decode_speedup": geo[rep["glance_method"]],
+            "geomean_chain_decode_speedup": geo["chain"],
+            "geomean": geo,
+            "tree_beats_chain": [t for t, s in per_task.items()
+                                 if (s["decode_speedup"] or 0) > (s["chain_decode_speedup"] or 0)],
+            "tasks": per_task,
+        })
     return {"configs": rows, "limit": limit, "max_tokens": max_tokens, "block_size": engine.block_size}
 
 
+def _f(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else fmt.format(value)
+
+
 def format_sweep(sweep: dict[str, Any]) -> str:
-    """One line per config: geomean decode speedups of the tree and the chain, and per-task tree / chain."""
+    """One line per config: geomean decode speedups of the GLANCE method(s) and the chain, and per task."""
     lines = []
     for row in sweep["configs"]:
-        per = ", ".join(f"{t} {s['decode_speedup']:.2f}/{s['chain_decode_speedup']:.2f}"
+        head = row["glance_method"]
+        geo = " ".join(f"{m} {_f(g)}x" for m, g in row["geomean"].items())
+        per = ", ".join(f"{t} {_f(s['decode_speedup'])}/{_f(s['chain_decode_speedup'])}"
                         for t, s in row["tasks"].items())
-        lines.append(f"budget {row['budget']:>3} branch_k {row['branch_k']}: tree {row['geomean_decode_speedup']:.2f}x "
-                     f"chain {row['geomean_chain_decode_speedup']:.2f}x | tree beats chain on "
-                     f"{len(row['tree_beats_chain'])}/{len(row['tasks'])} | tree/chain x: {per}")
+        lines.append(f"budget {row['budget']:>3} branch_k {row['branch_k']}: {geo} | {head} beats chain on "
+                     f"{len(row['tree_beats_chain'])}/{len(row['tasks'])} | {head}/chain x: {per}")
     return "\n".join(lines)
 
 
+TABLE_COLUMNS = (  # (header, key in the method summary, format)
+    ("tau", "tau", "{:.2f}"), ("tau-1", "tau_minus_1", "{:.2f}"), ("ms/tok", "decode_ms_per_token", "{:.2f}"),
+    ("decode x", "decode_speedup", "{:.2f}"), ("e2e x", "e2e_speedup", "{:.2f}"),
+    ("round/AR", "round_cost_ar_steps", "{:.2f}"), ("eff", "efficiency", "{:.2f}"),
+    ("lossless", "lossless_match_rate", "{:.2f}"), ("rows/rd", "mean_rows_per_round", "{:.1f}"),
+    ("no-draft", "rounds_without_drafting_fraction", "{:.0%}"), ("pred/rd", "predicted_tokens_per_round", "{:.2f}"),
+)
+
+
 def format_table(report: dict[str, Any]) -> str:
-    cols = [("task", "{}"), ("tau", "{:.2f}"), ("tau-1", "{:.2f}"), ("AR ms/tok", "{:.2f}"),
-            ("GLANCE ms/tok", "{:.2f}"), ("decode x", "{:.2f}"), ("e2e x", "{:.2f}"), ("chain x", "{:.2f}"),
-            ("HF greedy x", "{:.2f}"), ("HF lookup x", "{:.2f}"), ("lossless", "{:.2f}"), ("entropy", "{:.3f}")]
-    keys = ["tau", "tau_minus_1", "ar_decode_ms_per_token", "glance_decode_ms_per_token", "decode_speedup",
-            "e2e_speedup", "chain_decode_speedup", "hf_greedy_decode_speedup", "prompt_lookup_decode_speedup",
-            "lossless_match_rate", "mean_root_entropy"]
-    rows = [[c[0] for c in cols]]
+    """One row per task and method, then the geomeans (five demo tasks; wild apart) and the entropy law."""
+    header = ["task", "method", *[c[0] for c in TABLE_COLUMNS], "entropy"]
+    rows = [header]
     for task, s in report["tasks"].items():
-        name = task + ("" if s["grounded"] else " (open)")
-        rows.append([name] + [fmt.format(s[k]) for (_, fmt), k in zip(cols[1:], keys)])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+        name = task + ("" if s["grounded"] else " (open)" if s["demo_task"] else " (not trained)")
+        for j, (method, ms) in enumerate(s["methods"].items()):
+            cells = [_f(ms[key], fmt) for _, key, fmt in TABLE_COLUMNS]
+            entropy = _f(s["mean_root_entropy"], "{:.3f}") if j == 0 else ""
+            rows.append([name if j == 0 else "", LABELS.get(method, method), *cells, entropy])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
+    lines.append("round/AR: (decode ms / rounds) / AR decode ms per token; eff: decode x / tau; rows/rd: rows "
+                 "verified per round (1 = no draft); pred/rd: tokens per round the planner predicted (vs tau)")
+    for task, s in report["tasks"].items():
+        auto = s["methods"].get("auto")
+        if auto and auto["rows_histogram"]:
+            hist = " ".join(f"{r}:{n}" for r, n in auto["rows_histogram"].items())
+            lines.append(f"{task}: auto rows per round {{{hist}}}, {auto['rounds_without_drafting']} of "
+                         f"{auto['rounds']} rounds without drafting; predicted {_f(auto['predicted_tokens_per_round'])}"
+                         f" vs committed {_f(auto['actual_tokens_per_predicted_round'])} tokens per round")
+    if report["geomean"]:
+        geo = ", ".join(f"{LABELS.get(m, m)} {_f(g['decode_speedup'])}x" for m, g in report["geomean"].items())
+        lines.append(f"geomean decode speedup over {len(report['geomean_tasks'])} demo tasks: {geo}; "
+                     f"{report['glance_method']} e2e {_f(report['geomean_e2e_speedup'])}x "
+                     f"(budget {report['budget']}, branch_k {report['branch_k']}, block {report['block_size']})")
+    if "wild" in report:
+        wild = ", ".join(f"{LABELS.get(m, m)} {_f(x)}x" for m, x in report["wild"].items())
+        lines.append(f"wild (not trained, not in the geomean) decode speedup: {wild}")
     law = report.get("law", {})
-    lines.append(f"geomean decode speedup {report['geomean_decode_speedup']:.2f}x, "
-                 f"geomean e2e speedup {report['geomean_e2e_speedup']:.2f}x "
-                 f"(budget {report['budget']}, branch_k {report['branch_k']}, block {report['block_size']})")
     if "b0" in law:
-        lines.append(f"entropy law: b0 {law['b0']:.2f}, b1 {law['b1']:.2f}, Spearman {law['spearman']:.3f} "
-                     f"(p {law['spearman_p']:.1e}), binned R^2 {law['binned_r2']:.2f}, holds: {law['holds']}")
+        lines.append(f"entropy law ({report['law_method']} drafting rounds): b0 {law['b0']:.2f}, b1 {law['b1']:.2f}, "
+                     f"Spearman {law['spearman']:.3f} (p {law['spearman_p']:.1e}), binned R^2 {law['binned_r2']:.2f}, "
+                     f"holds: {law['holds']}")
+    elif law:
+        lines.append(f"entropy law: not fitted ({law.get('error')})")
     return "\n".join(lines)
 
 
 def write_plots(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """``speedup_per_task.png`` (decode speedup of every method), ``tau_per_task.png``, ``entropy_law.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,20 +437,33 @@ def write_plots(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tasks = list(report["tasks"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    taus = [report["tasks"][t]["tau"] for t in tasks]
-    chain = [report["tasks"][t]["chain_tau"] for t in tasks]
     x = np.arange(len(tasks))
-    ax.bar(x - 0.2, taus, 0.4, label="GLANCE tree", color="#3b6fc4")
-    ax.bar(x + 0.2, chain, 0.4, label="chain (width 1)", color="#b0b0b0")
-    ax.set_xticks(x, tasks)
-    ax.set_ylabel("tau (tokens per round, bonus included)")
-    ax.set_title("Acceptance per task")
-    ax.legend()
-    fig.tight_layout()
-    p1 = out / "tau_per_task.png"
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
+    paths = []
+
+    def grouped(methods: list[str], key: str, ylabel: str, title: str, name: str, baseline: float | None) -> None:
+        fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(tasks) + 2), 4))
+        width = 0.8 / max(len(methods), 1)
+        for j, m in enumerate(methods):
+            vals = [report["tasks"][t]["methods"][m][key] for t in tasks]
+            ax.bar(x - 0.4 + width * (j + 0.5), [v if v is not None else 0.0 for v in vals], width,
+                   label=LABELS.get(m, m))
+        if baseline is not None:
+            ax.axhline(baseline, color="k", linestyle="--", linewidth=1, label="AR")
+        ax.set_xticks(x, tasks)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+
+    others = [m for m in report["methods"] if m != "ar"]
+    grouped(others, "decode_speedup", "decode speedup over AR (x)", "Decode speedup per task",
+            "speedup_per_task.png", 1.0)
+    grouped([m for m in others if m in ("auto", "fixed", "chain")], "tau", "tau (tokens per round, bonus included)",
+            "Acceptance per task", "tau_per_task.png", None)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     rng = np.random.default_rng(0)
@@ -290,22 +472,34 @@ def write_plots(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         h, a = np.asarray(r["entropy"]), np.asarray(r["accepted"], dtype=float)
         ax.scatter(h, a + rng.uniform(-0.15, 0.15, len(a)), s=8, alpha=0.5, label=task)
     law = report.get("law", {})
-    if "b0" in law:
-        all_h = np.concatenate([np.asarray(report["_rounds"][t]["entropy"]) for t in tasks])
+    all_h = np.concatenate([np.asarray(report["_rounds"][t]["entropy"], dtype=float) for t in tasks])
+    if "b0" in law and all_h.size:
         grid = np.linspace(0, max(all_h.max(), 0.1), 200)
         ax.plot(grid, expected_accept(grid, law["b0"], law["b1"], report["block_size"] - 1), "k-",
                 label=f"law: b0={law['b0']:.2f}, b1={law['b1']:.2f}")
     ax.set_xlabel("root entropy H (nats)")
     ax.set_ylabel("accepted drafts per round")
-    ax.set_title("Entropy vs accepted length")
+    ax.set_title(f"Entropy vs accepted length ({report.get('law_method', 'fixed')} drafting rounds)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    p2 = out / "entropy_law.png"
-    fig.savefig(p2, dpi=120)
+    path = out / "entropy_law.png"
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [p1, p2]
+    paths.append(path)
+    return paths
 
 
 def save_json(report: dict[str, Any], path: str | Path) -> None:
+    """The report without its private per-round lists (``_rounds``); NaN/inf written as null."""
     public = {k: v for k, v in report.items() if not k.startswith("_")}
-    Path(path).write_text(json.dumps(public, indent=2))
+    Path(path).write_text(json.dumps(_finite(public), indent=2))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

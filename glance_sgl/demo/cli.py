@@ -22,7 +22,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ..cli import CLIError, default_checkpoints
     from ..engine import GlanceEngine
-    from .bench import format_sweep, format_table, parse_sweep, run_bench, run_sweep, save_json, write_plots
+    from .bench import (BENCH_TASKS, PLANNERS, format_sweep, format_table, parse_sweep, run_bench, run_sweep,
+                        save_json, write_plots)
     from .tasks import TASKS
 
     demo_model, demo_drafter = default_checkpoints()
@@ -30,10 +31,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     drafter = Path(args.drafter) if args.drafter else demo_drafter
     if model is None or drafter is None:
         raise CLIError("no bundled demo checkpoints (run `glance demo build`) and no --model/--drafter given")
-    tasks = tuple(args.task) if args.task else TASKS
-    bad = [t for t in tasks if t not in TASKS]
+    tasks = tuple(dict.fromkeys(args.task)) if args.task else (TASKS if args.sweep else BENCH_TASKS)
+    bad = [t for t in tasks if t not in BENCH_TASKS]
     if bad:
-        raise CLIError(f"unknown task(s) {bad}; tasks: {', '.join(TASKS)}")
+        raise CLIError(f"unknown task(s) {bad}; tasks: {', '.join(BENCH_TASKS)}")
+    planners = (args.planner,) if args.planner else PLANNERS
     if args.limit < 1:
         raise CLIError("--limit must be >= 1")
     sweep = None
@@ -45,13 +47,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     engine = GlanceEngine.load(model, drafter, budget=args.budget, branch_k=args.branch_k)
     if sweep:
-        result = run_sweep(engine, sweep, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks)
+        result = run_sweep(engine, sweep, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks,
+                           planners=planners)
         print(format_sweep(result))
         if args.json:
             save_json(result, args.json)
             print(f"wrote {args.json}")
         return 0
-    report = run_bench(engine, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks, peers=not args.no_peers)
+    report = run_bench(engine, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks, peers=not args.no_peers,
+                       planners=planners)
     print(format_table(report))
     if args.json:
         save_json(report, args.json)
@@ -71,9 +75,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--no-install", action="store_true", help="do not copy the result into the package")
     build.set_defaults(func=cmd_demo_build)
 
-    bench = sub.add_parser("bench", help="AR vs GLANCE (and peers) on the demo evaluation prompts")
+    bench = sub.add_parser("bench", help="AR vs GLANCE (auto and fixed planner), the chain and peers, per task")
     bench.add_argument("--limit", type=int, default=10, help="prompts per task")
-    bench.add_argument("--task", action="append", help="only this task (repeatable)")
+    bench.add_argument("--task", action="append",
+                       help="only this task (repeatable): caption, text, chart, document, open, wild (default: all "
+                       "six; --sweep: the five demo tasks)")
+    bench.add_argument("--planner", choices=["auto", "fixed"], default=None,
+                       help="run only this GLANCE planner (default: both, auto and the fixed tree)")
     bench.add_argument("--max-tokens", type=int, default=96)
     bench.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
     bench.add_argument("--branch-k", type=int, default=None)
