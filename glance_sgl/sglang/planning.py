@@ -18,7 +18,6 @@ online.
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
@@ -32,7 +31,6 @@ from glance_sgl.planner import CostModel, Plan, Planner, _interp, cost_cache_dir
 PLANNER_ENV = "GLANCE_PLANNER"
 SGLANG_PLANNER_MODES = ("auto", "fixed", "random")
 SCALE_RATE = 0.05  # weight of one timing in the model's overall speed scale
-SHAPE_RATE = 0.02  # ... and in the shape of the nearest curve
 STEP_RATE = 0.1  # weight of one measured scheduler gap
 
 
@@ -49,20 +47,6 @@ def planner_mode_from_env(value: str | None = None) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------- costs
-def _nudge(xs: list[int], ys: list[float], x: float, ratio: float) -> None:
-    """Move the curve ``ys`` over ``xs`` near ``x`` by ``ratio`` (observed / predicted) at ``SHAPE_RATE``,
-    split between the two nearest points; keep it non-decreasing."""
-    if len(xs) == 1:
-        ys[0] *= 1 + SHAPE_RATE * (ratio - 1)
-        return
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    w1 = min(max((x - xs[i - 1]) / (xs[i] - xs[i - 1]), 0.0), 1.0)
-    for j, w in ((i - 1, 1.0 - w1), (i, w1)):
-        ys[j] *= 1 + SHAPE_RATE * w * (ratio - 1)
-    for j in range(1, len(ys)):
-        ys[j] = max(ys[j], ys[j - 1])
-
-
 @dataclass
 class BatchCostModel(CostModel):
     """A :class:`CostModel` with one target-pass curve per calibrated batch size.
@@ -130,7 +114,7 @@ class BatchCostModel(CostModel):
         ratio = min(max(ms / pred, 0.5), 2.0)
         self.scale *= 1 + SCALE_RATE * (ratio - 1)
         xs, ys = self.curves[self._nearest(self.curves, batch)]
-        _nudge(xs, ys, float(rows), ratio)
+        self._refine(xs, ys, float(rows), ratio)  # the base model's slow shape update
 
     def observe_step(self, batch: int, ms: float) -> None:
         """The scheduler's time between two consecutive decode steps of ``batch`` requests."""
