@@ -11,6 +11,7 @@ Everything is batched torch with no Hugging Face or SGLang types in the signatur
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -40,14 +41,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+
+
+def rope_tables(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin of the rotary embedding at ``positions`` [B, T] (int): each [B, 1, T, dim], in ``dtype``.
+    Computed once per forward and shared by every layer's queries and keys."""
+    freqs = positions.to(torch.float32)[..., None] * _inv_freq(dim, float(theta), positions.device)  # [B, T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Apply the rotary embedding ``rope`` = (cos, sin) from :func:`rope_tables` to ``x`` [B, heads, T, d]."""
+    cos, sin = rope
+    return x * cos + rotate_half(x) * sin
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding. ``x``: [B, heads, T, d]; ``positions``: [B, T] (int)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, d]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    return rotate(x, rope_tables(positions, x.shape[-1], theta, x.dtype))
 
 
 class DrafterAttention(nn.Module):
@@ -69,30 +85,31 @@ class DrafterAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [B, n, T, d]
 
-    def key_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (normed, rotated) and V of ``x`` [B, T, H] at ``positions`` [B, T]: each [B, kv_heads, T, d]."""
+    def key_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V of ``x`` [B, T, H] with ``rope`` = :func:`rope_tables` of its positions:
+        each [B, kv_heads, T, d]."""
         k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads))
         v = self._heads(self.v_proj(x), self.num_kv_heads)
-        return apply_rope(k, positions, self.rope_theta), v
+        return rotate(k, rope), v
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``x``: normed block states [B, M, H]; ``positions`` [B, M]; ``ctx_k``/``ctx_v`` [B, kv, C, d];
-        ``mask``: bool [B, 1, M, C+M], True where a query may attend. Returns [B, M, H]."""
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), positions, self.rope_theta)
-        k_blk, v_blk = self.key_values(x, positions)
+        """``x``: normed block states [B, M, H]; ``rope``: :func:`rope_tables` of the block positions [B, M];
+        ``ctx_k``/``ctx_v`` [B, kv, C, d]; ``mask``: bool [B, 1, M, C+M], True where a query may attend, or None
+        (every query sees every key). Returns [B, M, H]."""
+        q = rotate(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), rope)
+        k_blk, v_blk = self.key_values(x, rope)
         k = torch.cat([ctx_k, k_blk], dim=2)
         v = torch.cat([ctx_v, v_blk], dim=2)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
         b, _, m, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, m, -1))
 
@@ -116,8 +133,8 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DrafterMLP(cfg)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+    def forward(self, x, rope, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -233,12 +250,20 @@ class GlanceDrafter(nn.Module):
         ctx = self.project_context(tap_hidden)
         offsets = torch.arange(t, device=ctx.device)
         positions = cache.lengths[:, None] + offsets[None, :]  # [B, T]
-        rows, cols = torch.nonzero(offsets[None, :] < counts[:, None], as_tuple=True)
-        dest = positions[rows, cols]
-        for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values):
-            k, v = layer.self_attn.key_values(ctx, positions)
-            k_buf[rows, :, dest] = k[rows, :, cols].to(k_buf.dtype)
-            v_buf[rows, :, dest] = v[rows, :, cols].to(v_buf.dtype)
+        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        if b == 1 and not ctx.is_cuda:  # the embedded engine's case: one contiguous slice per layer
+            start, n = int(cache.lengths[0]), int(counts[0])
+            for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values):
+                k, v = layer.self_attn.key_values(ctx[:, :n], (rope[0][:, :, :n], rope[1][:, :, :n]))
+                k_buf[:, :, start:start + n] = k.to(k_buf.dtype)
+                v_buf[:, :, start:start + n] = v.to(v_buf.dtype)
+        else:
+            rows, cols = torch.nonzero(offsets[None, :] < counts[:, None], as_tuple=True)
+            dest = positions[rows, cols]
+            for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values):
+                k, v = layer.self_attn.key_values(ctx, rope)
+                k_buf[rows, :, dest] = k[rows, :, cols].to(k_buf.dtype)
+                v_buf[rows, :, dest] = v[rows, :, cols].to(v_buf.dtype)
         cache.lengths += counts
 
     # ------------------------------------------------------------------ drafting
@@ -255,11 +280,14 @@ class GlanceDrafter(nn.Module):
         block[:, 0] = root_tokens
         positions = cache.lengths[:, None] + torch.arange(blk, device=root_tokens.device)[None, :]
         c = int(cache.lengths.max().item())
-        ctx_valid = torch.arange(c, device=root_tokens.device)[None, :] < cache.lengths[:, None]  # [B, C]
-        mask = torch.cat([ctx_valid, ctx_valid.new_ones(bs, blk)], dim=1)[:, None, None, :]  # [B,1,1,C+blk]
+        mask = None  # one request (or equal lengths): every block token sees the whole context and block
+        if bs > 1:
+            ctx_valid = torch.arange(c, device=root_tokens.device)[None, :] < cache.lengths[:, None]  # [B, C]
+            mask = torch.cat([ctx_valid, ctx_valid.new_ones(bs, blk)], dim=1)[:, None, None, :]  # [B,1,1,C+blk]
         x = self.embed(block).to(self.fc.weight.dtype)
+        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values):
-            x = layer(x, positions, k_buf[:, :, :c], v_buf[:, :, :c], mask)
+            x = layer(x, rope, k_buf[:, :, :c], v_buf[:, :, :c], mask)
         return self.logits(x[:, 1:])
 
     def forward_blocks(
@@ -276,9 +304,12 @@ class GlanceDrafter(nn.Module):
         [B, M]; ``mask``: bool [B, 1, M, C+M]. Returns the final hidden states [B, M, H] (apply :meth:`logits`).
         """
         x = self.embed(block_tokens).to(self.fc.weight.dtype)
+        d, theta = self.config.head_dim, self.config.rope_theta
+        ctx_rope = rope_tables(ctx_positions, d, theta, ctx.dtype)
+        block_rope = rope_tables(block_positions, d, theta, x.dtype)
         for layer in self.layers:
-            k, v = layer.self_attn.key_values(ctx, ctx_positions)
-            x = layer(x, block_positions, k, v, mask)
+            k, v = layer.self_attn.key_values(ctx, ctx_rope)
+            x = layer(x, block_rope, k, v, mask)
         return x
 
     # ------------------------------------------------------------------ persistence

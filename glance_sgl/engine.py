@@ -8,6 +8,9 @@ The algorithm itself lives in ``drafter``, ``tree`` and ``verify``; this module 
 
 from __future__ import annotations
 
+import itertools
+import json
+import platform
 import queue
 import random
 import threading
@@ -21,8 +24,10 @@ import torch
 
 from .drafter import DrafterCache, GlanceDrafter, draft_logprobs
 from .metrics import RequestMetrics, entropy_nats
+from .planner import (PLANNER_MODES, CostModel, Plan, Planner, PlannerMode, calibrate, cost_key, default_row_grid,
+                      load_costs, save_costs)
 from .target import PreparedPrompt, TargetAdapter, TargetError, TargetState
-from .tree import DraftTree, build_tree, chain_tree, topk_per_offset
+from .tree import DraftTree, build_tree, chain_tree, max_tree_size, topk_per_offset
 from .verify import SamplingSpec, target_choices, verify_tree
 
 Mode = Literal["glance", "chain", "ar"]
@@ -72,6 +77,34 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.to_dict(per_round=per_round),
         }
+
+
+@dataclass
+class DraftState:
+    """A request's drafter side across rounds.
+
+    ``cache`` holds the context features of every committed token but the root (the last one); ``stash`` the
+    tap features [1, L*H] of tokens committed by rounds without drafting, appended to ``cache`` in one call when
+    drafting resumes; ``lead_entropy`` is the entropy (nats) of the target distribution that produced the root.
+    """
+
+    cache: DrafterCache
+    rid: int
+    planner: Planner | None
+    lead_entropy: float | None = None
+    stash: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class RoundRecord:
+    """What one round did: ``nodes`` verified tree nodes (0: the pass verified the root only), ``accepted``
+    of them, the root entropy (nats), the planner's predicted tokens and whether the drafter ran."""
+
+    nodes: int
+    accepted: int
+    root_entropy: float
+    predicted: float | None
+    drafter_ran: bool
 
 
 @dataclass
@@ -165,7 +198,11 @@ class GlanceEngine:
         budget: int | None = None,
         branch_k: int | None = None,
         mode: Mode = "glance",
+        planner: PlannerMode = "auto",
+        max_nodes: int | None = None,
     ) -> None:
+        if planner not in PLANNER_MODES:
+            raise ValueError(f"planner must be one of {PLANNER_MODES}, got {planner!r}")
         self.target = target
         self.drafter = drafter
         if drafter is not None:
@@ -185,8 +222,13 @@ class GlanceEngine:
         else:
             self.budget, self.branch_k = 0, 0
         self.mode: Mode = mode
+        self.planner_mode: PlannerMode = planner
+        self.max_nodes = max_nodes or default_max_nodes(self.budget, self.block_size, self.branch_k)
         self.eos_ids = target.eos_token_ids
         self._lock = threading.Lock()
+        self._costs: CostModel | None = None
+        self._planners: dict[str, Planner] = {}
+        self._rids = itertools.count()
 
     @classmethod
     def load(
@@ -207,6 +249,65 @@ class GlanceEngine:
     def block_size(self) -> int:
         return self.drafter.config.block_size if self.drafter is not None else 1
 
+    # ------------------------------------------------------------------ planning
+    def cost_model(self) -> CostModel:
+        """The target / drafter pass costs on this device: cached per device + model, else measured now
+        (about a second on a CPU), then refined by every round."""
+        if self._costs is None:
+            key = self._cost_key()
+            self._costs = load_costs(key) or self._calibrate(key)
+        return self._costs
+
+    def planner(self, name: PlannerMode | None = None) -> Planner:
+        """The engine's planner for ``name`` ("auto": cost-aware; "fixed": always the ``budget`` tree). Its
+        acceptance statistics are shared by all requests; per-request state is dropped when a request ends."""
+        name = name or self.planner_mode
+        if name not in self._planners:
+            if name not in PLANNER_MODES:
+                raise RequestError(f"planner must be one of {PLANNER_MODES}, got {name!r}", "invalid_request",
+                                   "planner")
+            max_nodes = self.max_nodes if name == "auto" else self.budget
+            self._planners[name] = Planner(self.cost_model(), max_nodes=max_nodes, max_depth=self.block_size - 1,
+                                           mode=name, fixed_nodes=self.budget)
+        return self._planners[name]
+
+    def install_planner(self, name: str, planner: Planner) -> None:
+        """Serve requests that ask for planner ``name`` with ``planner`` (an ablation or a test policy)."""
+        self._planners[name] = planner
+
+    def _cost_key(self) -> str:
+        cfg = self.target.model.config.to_json_string(use_diff=False)
+        params = sum(p.numel() for p in self.target.model.parameters())
+        drafter = json.dumps(self.drafter.config.to_dict(), sort_keys=True) if self.drafter is not None else ""
+        return cost_key("embedded", self.target.device, platform.machine(), platform.processor(),
+                        torch.__version__, torch.get_num_threads(), self.target.model.dtype, cfg, params, drafter,
+                        self.max_nodes, self.branch_k)
+
+    @torch.no_grad()
+    def _calibrate(self, key: str) -> CostModel:
+        """Time target passes over 1 .. max_nodes+1 rows and the drafter pass (+ top-k + tree) on a short
+        text prompt."""
+        assert self.drafter is not None
+        prompt = self.target.prepare([{"role": "user", "content": "calibration " * 24}])
+        taps = self.drafter.config.tap_layers
+        state, rows = self.target.prefill(prompt, taps=taps)
+        dcache = self._start_drafter(rows.taps)
+        root = int(prompt.input_ids[0, -1])
+        empty = torch.zeros(0, dtype=torch.long)
+
+        def run_verify(r: int, _batch: int) -> None:
+            self.target.forward_rows(state, torch.full((r,), root, dtype=torch.long), torch.arange(r),
+                                     torch.ones(r, r, dtype=torch.bool).tril(), taps=taps)
+            self.target.keep_rows(state, r, empty)
+
+        def run_draft(_batch: int) -> None:
+            self._draft_full_tree(dcache, root, self.max_nodes)
+
+        costs = calibrate(run_verify, run_draft, [(r, 1) for r in default_row_grid(self.max_nodes + 1)], [1],
+                          repeats=5, key=key)
+        save_costs(costs)
+        return costs
+
     # ------------------------------------------------------------------ public API
     def generate(
         self,
@@ -215,9 +316,11 @@ class GlanceEngine:
         mode: Mode | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        planner: PlannerMode | None = None,
     ) -> GenerationResult:
         """Run one request to completion. ``on_delta`` receives committed tokens as they land;
-        ``should_stop`` is polled between rounds (True cancels: finish_reason "cancelled")."""
+        ``should_stop`` is polled between rounds (True cancels: finish_reason "cancelled"). ``planner``
+        ("auto" / "fixed") overrides the engine's default for mode "glance"."""
         params = params or SamplingParams()
         params.validate()
         mode = mode or self.mode
@@ -225,14 +328,18 @@ class GlanceEngine:
             raise RequestError(f"mode {mode!r} needs a drafter; this engine has none")
         if mode not in ("glance", "chain", "ar"):
             raise RequestError(f"unknown decoding mode {mode!r}")
+        if planner is not None and planner not in PLANNER_MODES and planner not in self._planners:
+            raise RequestError(f"planner must be one of {PLANNER_MODES}, got {planner!r}", param="planner")
         with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
+            plan = self.planner(planner) if mode == "glance" else None
             t0 = time.perf_counter()
             prompt = self.target.prepare(messages)
             prepare_ms = (time.perf_counter() - t0) * 1000.0
-            return self._run(prompt, prepare_ms, params, mode, on_delta, should_stop)
+            return self._run(prompt, prepare_ms, params, mode, plan, on_delta, should_stop)
 
     def stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-               mode: Mode | None = None) -> Iterator[StreamDelta | GenerationResult]:
+               mode: Mode | None = None, planner: PlannerMode | None = None
+               ) -> Iterator[StreamDelta | GenerationResult]:
         """Yield :class:`StreamDelta` items as tokens commit, then the final :class:`GenerationResult`.
         Closing the iterator early cancels the request."""
         items: queue.Queue = queue.Queue()
@@ -241,7 +348,8 @@ class GlanceEngine:
 
         def work() -> None:
             try:
-                items.put(self.generate(messages, params, mode, on_delta=items.put, should_stop=cancelled.is_set))
+                items.put(self.generate(messages, params, mode, on_delta=items.put, should_stop=cancelled.is_set,
+                                        planner=planner))
             except BaseException as exc:  # handed to the consumer
                 items.put(exc)
             finally:
@@ -259,12 +367,13 @@ class GlanceEngine:
             thread.join()
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, prompt: PreparedPrompt, prepare_ms: float, params: SamplingParams, mode: Mode, on_delta,
-             should_stop) -> GenerationResult:
+    def _run(self, prompt: PreparedPrompt, prepare_ms: float, params: SamplingParams, mode: Mode,
+             planner: Planner | None, on_delta, should_stop) -> GenerationResult:
         """The decoding loop. ``prefill_ms`` counts the prompt's preparation (``prepare_ms``) and the prefill."""
         spec = SamplingSpec(params.temperature, params.top_p,
                             params.seed if params.seed is not None else random.getrandbits(62))
         metrics = RequestMetrics(mode=mode, block_size=self.block_size if mode != "ar" else 1)
+        metrics.planner = planner.mode if planner is not None else None
         out = _Output(self.target.tokenizer, self.eos_ids, params)
 
         t0 = time.perf_counter()
@@ -276,25 +385,34 @@ class GlanceEngine:
             )
         state, rows = self.target.prefill(prompt, taps=self._taps(mode))
         first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec)[0])
-        dcache = self._start_drafter(rows.taps) if mode != "ar" else None
+        draft = None
+        if mode != "ar":
+            draft = DraftState(self._start_drafter(rows.taps), next(self._rids), planner,
+                               lead_entropy=entropy_nats(rows.logits[-1]))
         out.add([first])
         metrics.prefill_ms = prepare_ms + (time.perf_counter() - t0) * 1000.0
         self._emit(on_delta, out, [first])
 
         t1 = time.perf_counter()
-        while out.finish_reason is None:
-            if should_stop is not None and should_stop():
-                out.finish_reason = "cancelled"
-                break
-            if mode == "ar":
-                new_tokens = self.ar_step(state, out.token_ids, spec)
-                kept = out.add(new_tokens)
-                metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None)
-            else:
-                new_tokens, drafted, accepted, entropy = self.speculative_round(state, dcache, out.token_ids, spec, mode)
-                kept = out.add(new_tokens)
-                metrics.record_round(drafted=drafted, accepted=accepted, committed=kept, root_entropy=entropy)
-            self._emit(on_delta, out, new_tokens[:kept])
+        try:
+            while out.finish_reason is None:
+                if should_stop is not None and should_stop():
+                    out.finish_reason = "cancelled"
+                    break
+                if draft is None:
+                    new_tokens = self.ar_step(state, out.token_ids, spec)
+                    kept = out.add(new_tokens)
+                    metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None)
+                else:
+                    new_tokens, rec = self.speculative_round(state, draft, out.token_ids, spec, mode)
+                    kept = out.add(new_tokens)
+                    metrics.record_round(drafted=rec.nodes, accepted=rec.accepted, committed=kept,
+                                         root_entropy=rec.root_entropy, predicted=rec.predicted,
+                                         drafter_ran=rec.drafter_ran)
+                self._emit(on_delta, out, new_tokens[:kept])
+        finally:
+            if draft is not None and draft.planner is not None:
+                draft.planner.forget(draft.rid)
         metrics.decode_ms = (time.perf_counter() - t1) * 1000.0
         metrics.completion_tokens = len(out.token_ids)
         return GenerationResult(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
@@ -319,34 +437,77 @@ class GlanceEngine:
         self.drafter.extend_context(dcache, prompt_taps[None], torch.tensor([n]))
         return dcache
 
-    def draft_tree(self, dcache: DrafterCache, root: int, mode: Mode) -> DraftTree:
-        """One drafter pass for the block ``[root, MASK...]`` and the candidate tree built from it."""
+    def _draft_full_tree(self, dcache: DrafterCache, root: int, budget: int, chain: bool = False) -> DraftTree:
+        """One drafter pass for the block ``[root, MASK...]`` and the best-first tree of ``budget`` nodes (or
+        the width-1 chain) built from it."""
         assert self.drafter is not None
         logits = self.drafter.draft_block(dcache, torch.tensor([root], device=self.target.device))
-        values, ids = topk_per_offset(draft_logprobs(logits), 1 if mode == "chain" else self.branch_k)
+        values, ids = topk_per_offset(draft_logprobs(logits), 1 if chain else self.branch_k)
         roots = torch.tensor([root])
-        return chain_tree(values, ids, roots) if mode == "chain" else build_tree(values, ids, roots, self.budget)
+        return chain_tree(values, ids, roots) if chain else build_tree(values, ids, roots, budget)
+
+    def draft_tree(self, dcache: DrafterCache, root: int, mode: Mode) -> DraftTree:
+        """One drafter pass and the engine's fixed tree (``budget`` nodes, or the chain in mode "chain")."""
+        return self._draft_full_tree(dcache, root, self.budget, chain=mode == "chain")
 
     def speculative_round(
-        self, state: TargetState, dcache: DrafterCache, committed: list[int], spec: SamplingSpec, mode: Mode
-    ) -> tuple[list[int], int, int, float]:
-        """Draft, verify the whole tree in one target pass, keep the accepted KV and feed the head.
-
-        Returns (tokens to commit, drafted nodes, accepted nodes, root entropy in nats).
-        """
+        self, state: TargetState, draft: DraftState, committed: list[int], spec: SamplingSpec, mode: Mode
+    ) -> tuple[list[int], RoundRecord]:
+        """One round: ask the planner whether to draft and how big a tree to verify, verify it in one target
+        pass, keep the accepted KV and feed the head. A round without drafting is an AR step whose tap features
+        wait in ``draft.stash``. Returns (tokens to commit, what the round did)."""
         assert self.drafter is not None
-        tree = self.draft_tree(dcache, committed[-1], mode)
+        planner, rid, lead = draft.planner, [draft.rid], [draft.lead_entropy]
+        taps = self.drafter.config.tap_layers
+        if planner is not None and not planner.gate(rid, lead):
+            plan = planner.skip(rid)
+            t0 = time.perf_counter()
+            zero = torch.zeros(1, dtype=torch.long)
+            rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
+                                            torch.ones(1, 1, dtype=torch.bool), taps=taps)
+            planner.costs.observe_verify(1, 1, (time.perf_counter() - t0) * 1000.0)
+            draft.stash.append(rows.taps)
+            token = int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0])
+            draft.lead_entropy = entropy = entropy_nats(rows.logits[0])
+            return [token], RoundRecord(0, 0, entropy, plan.expected_tokens[0], drafter_ran=False)
+
+        t0 = time.perf_counter()
+        if draft.stash:  # tokens committed without drafting join the head's context in one call
+            stash = torch.cat(draft.stash)
+            self.drafter.extend_context(draft.cache, stash[None], torch.tensor([stash.shape[0]]))
+            draft.stash.clear()
+        t1 = time.perf_counter()
+        if planner is None:
+            tree, plan = self.draft_tree(draft.cache, committed[-1], mode), None
+        else:
+            tree = self._draft_full_tree(draft.cache, committed[-1], planner.max_nodes)
+            t2 = time.perf_counter()
+            plan = planner.choose(rid, tree.scores, tree.depths)
+            tree = tree.prefix(plan.nodes + 1)
+            planner.costs.observe_draft(1, (t2 - t1) * 1000.0)
+        t3 = time.perf_counter()
         # Triton on CUDA, glance_sgl.tree's torch code elsewhere; only the mask is needed here
         meta = glance_kernels.tree_meta(tree.parents, pointers=False)
-        rows = self.target.forward_rows(state, tree.tokens[0], tree.depths[0], meta.tree_mask[0],
-                                        taps=self.drafter.config.tap_layers)
-        walk = verify_tree(tree.tokens, tree.parents, tree.depths, rows.logits[None].cpu(),
-                           torch.tensor([len(committed)]), [spec])
+        t4 = time.perf_counter()
+        rows = self.target.forward_rows(state, tree.tokens[0], tree.depths[0], meta.tree_mask[0], taps=taps)
+        t5 = time.perf_counter()
+        logits = rows.logits[None].cpu()
+        walk = verify_tree(tree.tokens, tree.parents, tree.depths, logits, torch.tensor([len(committed)]), [spec])
         accepted = int(walk.accept_lens[0])
         path = walk.accepted_rows[0, : accepted + 1]  # root + accepted nodes
-        self.target.keep_rows(state, tree.num_rows, path)
-        self.drafter.extend_context(dcache, rows.taps[path.to(rows.taps.device)][None], torch.tensor([accepted + 1]))
-        return walk.committed(tree.tokens)[0], tree.num_nodes, accepted, entropy_nats(rows.logits[0])
+        if tree.num_rows > accepted + 1:
+            self.target.keep_rows(state, tree.num_rows, path)
+        self.drafter.extend_context(draft.cache, rows.taps[path.to(rows.taps.device)][None],
+                                    torch.tensor([accepted + 1]))
+        root_entropy = entropy_nats(logits[0, 0])
+        draft.lead_entropy = root_entropy if accepted == 0 else entropy_nats(logits[0, int(path[-1])])
+        if planner is not None and plan is not None:
+            planner.observe(rid, plan, lead, [accepted], tree, walk)
+            t6 = time.perf_counter()
+            planner.costs.observe_verify(tree.num_rows, 1, (t5 - t4) * 1000.0)
+            planner.costs.observe_overhead((t1 - t0 + t4 - t3 + t6 - t5) * 1000.0)
+        predicted = plan.expected_tokens[0] if plan is not None else None
+        return walk.committed(tree.tokens)[0], RoundRecord(tree.num_nodes, accepted, root_entropy, predicted, True)
 
     def ar_step(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> list[int]:
         """One autoregressive step: the last committed token through the target, one new token out."""
@@ -354,6 +515,15 @@ class GlanceEngine:
         rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
                                         torch.ones(1, 1, dtype=torch.bool))
         return [int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0])]
+
+
+def default_max_nodes(budget: int, block_size: int, branch_k: int) -> int:
+    """The largest tree the "auto" planner may verify: twice the fixed budget (at least 31 nodes, at most 63),
+    within the candidate tree of the block."""
+    if budget <= 0:
+        return 0
+    cap = max_tree_size(block_size - 1, branch_k)
+    return max(budget, min(max(2 * budget + 1, 31), 63, cap))
 
 
 __all__ = ["GlanceEngine", "SamplingParams", "GenerationResult", "StreamDelta", "RequestError", "TargetError"]

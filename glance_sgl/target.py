@@ -230,9 +230,13 @@ class TargetAdapter:
         """After a pass over ``num_rows`` rows, keep only the rows ``keep`` (ascending row indices) in the
         cache: entries become prefix + kept rows, in order."""
         p = state.length - num_rows
-        dev = self.device
-        index = torch.cat([torch.arange(p, device=dev), p + keep.to(dev)])
+        n = int(keep.numel())
+        src = p + keep.to(self.device)
+        # only the kept rows move (to p .. p+n-1, in order; sources never precede their destination), then the
+        # cache is cut there: O(kept rows) rather than a copy of the whole cache
         for layer in state.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-        state.length = p + int(keep.numel())
+            for name in ("keys", "values"):
+                buf = getattr(layer, name)
+                buf[..., p:p + n, :] = buf.index_select(-2, src)
+                setattr(layer, name, buf[..., :p + n, :])
+        state.length = p + n

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# planner calibrations of the tests' throwaway models go to a temporary folder, not ~/.cache
+os.environ.setdefault("GLANCE_COST_CACHE", os.path.join(tempfile.gettempdir(), f"glance-test-costs-{os.getpid()}"))
 
 import pytest
 import torch

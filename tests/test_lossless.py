@@ -12,7 +12,7 @@ import torch
 from glance_sgl.engine import GlanceEngine, SamplingParams
 from glance_sgl.tree import max_tree_size
 
-from glance_testing import ARCHS, make_prompts, random_drafter
+from glance_testing import ARCHS, RandomPlanner, make_prompts, random_drafter
 
 N_PROMPTS = 50
 MAX_TOKENS = 24
@@ -33,14 +33,21 @@ def test_lossless_glance_tree_matches_generate_and_ar(arch, targets, engines):
     for i, messages in enumerate(make_prompts(N_PROMPTS, seed=11)):
         reference = hf_greedy(target, messages, MAX_TOKENS)
         ar = engine.generate(messages, params, mode="ar")
-        glance = engine.generate(messages, params, mode="glance")
+        glance = engine.generate(messages, params, mode="glance")  # the cost-aware planner (the default)
         assert ar.token_ids == reference, f"prompt {i}: AR path differs from generate"
         assert glance.token_ids == reference, f"prompt {i}: GLANCE differs from generate"
         assert glance.text == ar.text
         m = glance.metrics
+        assert m.planner == "auto"
         assert m.completion_tokens == len(reference) == 1 + sum(m.committed_per_round)
-        assert m.drafted_tokens == m.rounds * engine.budget
+        assert m.drafted_tokens == sum(r - 1 for r in m.rows_per_round)
+        assert max(m.rows_per_round) <= engine.max_nodes + 1
         accepted_total += m.accepted_tokens
+        if i % 3 == 0:  # today's fixed tree: every round drafts and verifies the budget
+            fixed = engine.generate(messages, params, planner="fixed")
+            assert fixed.token_ids == reference, f"prompt {i}: GLANCE (fixed tree) differs from generate"
+            assert fixed.metrics.drafted_tokens == fixed.metrics.rounds * engine.budget
+            accepted_total += fixed.metrics.accepted_tokens
     # the random drafter is right now and then (the targets repeat themselves): acceptance paths are exercised
     assert accepted_total > 0
 
@@ -51,7 +58,7 @@ def test_lossless_chain_and_widest_budget(arch, targets):
     drafter = random_drafter(target, seed=3, block_size=6)
     widest = max_tree_size(5, 4)  # every node of the k=4, depth-5 candidate tree
     chain = GlanceEngine(target, drafter, mode="chain")
-    wide = GlanceEngine(target, drafter, budget=widest, branch_k=4)
+    wide = GlanceEngine(target, drafter, budget=widest, branch_k=4, planner="fixed")
     params = SamplingParams(max_tokens=MAX_TOKENS)
     for i, messages in enumerate(make_prompts(N_PROMPTS, seed=12)):
         reference = hf_greedy(target, messages, MAX_TOKENS)
@@ -73,3 +80,25 @@ def test_lossless_sampling_same_seed_same_tokens(arch, engines):
         ar = engine.generate(messages, params, mode="ar")
         glance = engine.generate(messages, params, mode="glance")
         assert glance.token_ids == ar.token_ids, f"prompt {i}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lossless_random_tree_sizes_and_ar_rounds(arch, engines):
+    """Whatever the planner picks per round (no draft, the root alone, any prefix of the tree), greedy and seeded
+    sampled outputs equal the AR path's token for token."""
+    engine = engines[arch]
+    engine.install_planner("random", RandomPlanner(engine.cost_model(), engine.max_nodes, engine.block_size - 1,
+                                                   seed=7))
+    rows_seen: set[int] = set()
+    skipped = 0
+    for i, messages in enumerate(make_prompts(16, seed=14)):
+        for params in (SamplingParams(max_tokens=MAX_TOKENS),
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=300 + i)):
+            ar = engine.generate(messages, params, mode="ar")
+            got = engine.generate(messages, params, planner="random")
+            assert got.token_ids == ar.token_ids, f"prompt {i}, temperature {params.temperature}"
+            m = got.metrics
+            assert m.completion_tokens == 1 + sum(m.committed_per_round)
+            rows_seen |= set(m.rows_per_round)
+            skipped += m.rounds_without_drafting
+    assert skipped > 0 and 1 in rows_seen and len(rows_seen) > 5  # AR rounds, root-only and many tree sizes ran

@@ -1,0 +1,193 @@
+"""The cost-aware planner: cost model, acceptance predictor, policy (glance_sgl.planner)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from glance_sgl.planner import (MAX_PROBE_INTERVAL, CostModel, DepthCalibration, EntropyTable, Planner, calibrate,
+                                cost_key, default_row_grid, load_costs, save_costs)
+from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
+from glance_sgl.verify import SamplingSpec, verify_tree
+
+
+def linear_costs(per_row: float = 0.1, base: float = 1.0, draft: float = 0.5) -> CostModel:
+    rows = default_row_grid(64)
+    return CostModel(rows, [base + per_row * r for r in rows], [1, 8], [draft, 4 * draft])
+
+
+def random_tree(seed: int, budget: int, depth: int = 7, k: int = 3, vocab: int = 50, sharp: float = 3.0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, depth, vocab, generator=gen) * sharp
+    values, ids = topk_per_offset(torch.log_softmax(logits, -1), k)
+    return build_tree(values, ids, torch.tensor([1]), budget)
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    costs = CostModel([1, 4, 16], [1.0, 2.0, 5.0], [1, 4], [0.5, 1.0])
+    assert costs.ar_ms() == 1.0
+    assert costs.verify_ms(2) == pytest.approx(1 + 1 / 3)
+    assert costs.verify_ms(4, batch=2) == pytest.approx(2 + 3 * 4 / 12)  # 8 rows in all
+    assert costs.verify_ms(32) == pytest.approx(5 + 3 * 16 / 12)  # past the last point: the last slope
+    assert costs.draft_ms(2) == pytest.approx(0.5 + 0.5 / 3)
+    assert costs.round_ms(3) == pytest.approx(costs.draft_ms() + costs.verify_ms(4))
+
+
+def test_cost_model_online_scale_follows_the_machine_and_keeps_the_shape_monotone():
+    costs = linear_costs()
+    shape = costs.verify_ms(16) / costs.ar_ms()
+    for _ in range(200):  # the machine got twice as slow: every pass takes twice its curve
+        costs.observe_verify(1, 1, 2 * (1.0 + 0.1))
+        costs.observe_draft(1, 2 * 0.5)
+    assert costs.ar_ms() == pytest.approx(2.2, rel=0.05)
+    assert costs.draft_ms() == pytest.approx(1.0, rel=0.1)
+    assert costs.verify_ms(16) / costs.ar_ms() == pytest.approx(shape, rel=0.2)
+    ys = costs.verify_ms_at
+    assert all(b >= a for a, b in zip(ys, ys[1:]))
+    costs.observe_verify(4, 1, float("nan"))  # a broken timing is ignored
+    assert math.isfinite(costs.verify_ms(4))
+
+
+def test_calibrate_keeps_the_fastest_sweep_and_the_cache_round_trips(tmp_path, monkeypatch):
+    calls = {"verify": [], "draft": []}
+
+    def run_verify(rows, batch):
+        calls["verify"].append((rows, batch))
+        sum(range(2000 * rows * batch))  # real work, more for more rows
+
+    def run_draft(batch):
+        calls["draft"].append(batch)
+
+    key = cost_key("test", 1)
+    costs = calibrate(run_verify, run_draft, [(r, 1) for r in (1, 4, 16)] + [(4, 4)], [1, 2], repeats=3, key=key)
+    assert costs.verify_rows == [1, 4, 16]  # (4, 4) and (16, 1) are the same 16 rows
+    assert len(calls["verify"]) == 4 * 4 and len(calls["draft"]) == 2 * 4  # a warm-up sweep + 3
+    assert costs.verify_ms(16) >= costs.verify_ms(4) >= costs.verify_ms(1) > 0
+    monkeypatch.setenv("GLANCE_COST_CACHE", str(tmp_path))
+    assert load_costs(key) is None
+    assert save_costs(costs) == tmp_path / f"{key}.json"
+    again = load_costs(key)
+    assert again is not None and again.to_dict() == costs.to_dict()
+    assert load_costs(cost_key("test", 2)) is None
+    monkeypatch.setenv("GLANCE_COST_CACHE", "off")
+    assert save_costs(costs) is None and load_costs(key) is None
+
+
+def test_a_prefix_of_the_best_first_tree_is_the_tree_of_that_budget():
+    big = random_tree(0, 40)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 7, 50, generator=gen) * 3.0
+    values, ids = topk_per_offset(torch.log_softmax(logits, -1), 3)
+    for n in (0, 1, 5, 17, 40):
+        small = build_tree(values, ids, torch.tensor([1]), n) if n else None
+        pre = big.prefix(n + 1)
+        if small is not None:
+            assert torch.equal(pre.tokens, small.tokens) and torch.equal(pre.parents, small.parents)
+        assert pre.num_nodes == n
+
+
+def test_expected_accept_is_the_sum_of_path_probabilities():
+    tree = random_tree(1, 20)
+    depth = DepthCalibration(7)  # prior: factor 1 at every depth
+    planner = Planner(linear_costs(), max_nodes=20, max_depth=7)
+    curve = planner.expected_accept(tree.scores, tree.depths)
+    probs = tree.scores.exp()
+    probs[:, 0] = 0
+    assert torch.allclose(curve, torch.cumsum(probs, 1), atol=1e-6)
+    assert torch.allclose(depth.node_probs(tree.scores, tree.depths)[:, 1:], tree.scores.exp()[:, 1:], atol=1e-6)
+
+
+def test_depth_calibration_learns_how_often_the_target_agrees():
+    """Against a target that never takes the drafter's depth-2 guesses, the depth-2 factor goes to 0."""
+    depth = DepthCalibration(7, decay=1.0)
+    tree = random_tree(2, 20, sharp=6.0)
+    rows_d1 = (tree.depths[0] == 1).nonzero().flatten()
+    best_d1 = int(rows_d1[0])
+    for _ in range(50):
+        accepted = torch.tensor([[0, best_d1]])
+        depth.observe(tree.parents, tree.scores, tree.depths, accepted, torch.tensor([1]))
+    factor = (depth.hits / depth.predicted)
+    assert factor[2] < 0.05
+    assert factor[1] > 0.5
+
+
+def test_choose_weighs_expected_tokens_against_cost():
+    tree = random_tree(3, 40, sharp=8.0)  # a confident drafter: long expected paths
+    cheap = Planner(linear_costs(per_row=0.001), max_nodes=40, max_depth=7)
+    assert cheap.choose(["a"], tree.scores, tree.depths).nodes >= 7
+    dear = Planner(linear_costs(per_row=5.0), max_nodes=40, max_depth=7)
+    assert dear.choose(["a"], tree.scores, tree.depths).nodes <= 2
+    fixed = Planner(linear_costs(per_row=5.0), max_nodes=40, max_depth=7, mode="fixed", fixed_nodes=15)
+    plan = fixed.choose(["a"], tree.scores, tree.depths)
+    assert plan.nodes == 15 and len(plan.expected_tokens) == 1 and plan.expected_tokens[0] >= 1
+    with pytest.raises(ValueError, match="planner must be one of"):
+        Planner(linear_costs(), max_nodes=4, max_depth=3, mode="sometimes")
+
+
+def test_gate_stops_drafting_for_a_request_that_never_accepts_and_probes_with_back_off():
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+    tree = random_tree(4, 15)
+    drafted_rounds, probes = 0, []
+    for step in range(400):
+        if planner.gate(["wild"], [0.01]):
+            drafted_rounds += 1
+            if planner.state("wild").ar_streak:
+                probes.append(step)
+            plan = planner.choose(["wild"], tree.scores, tree.depths)
+            planner.observe(["wild"], plan, [0.01], [0], tree.prefix(plan.nodes + 1), None)
+        else:
+            planner.skip(["wild"])
+    assert drafted_rounds < 40  # most rounds are plain AR steps
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps and max(gaps) >= MAX_PROBE_INTERVAL // 2  # probes thin out
+    # the back-off is per request: a new request at the same entropy (which the table now says does not pay)
+    # is probed after the shortest interval
+    fresh = [planner.gate(["fresh"], [0.01]) or planner.skip(["fresh"]) is None for _ in range(3)]
+    assert fresh[-1] and not fresh[0]
+    planner.forget("wild")
+    assert "wild" not in planner.requests
+
+
+def test_gate_keeps_drafting_where_it_pays_and_a_probe_that_pays_resets_the_back_off():
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+    tree = random_tree(5, 15, sharp=8.0)
+    for _ in range(50):
+        assert planner.gate(["doc"], [0.01])
+        plan = planner.choose(["doc"], tree.scores, tree.depths)
+        planner.observe(["doc"], plan, [0.01], [6], tree.prefix(plan.nodes + 1), None)
+    st = planner.state("doc")
+    st.ar_streak, st.probe_interval = 8, 8  # as after a spell of AR rounds: a probe is due
+    assert planner.gate(["doc"], [3.0])
+    plan = planner.choose(["doc"], tree.scores, tree.depths)
+    planner.observe(["doc"], plan, [3.0], [6], None, None)
+    assert st.ar_streak == 0 and st.probe_interval == 2
+
+
+def test_entropy_table_prior_and_updates():
+    table = EntropyTable(max_accept=15)
+    assert table.expected(0.0) > table.expected(1.0) > table.expected(5.0)
+    for _ in range(300):
+        table.observe(0.3, 9.0)
+    assert table.expected(0.3) == pytest.approx(9.0, rel=0.05)
+
+
+def test_fixed_tree_walk_feedback_runs_on_a_real_walk():
+    """observe() with a real walk result (the engines' path), batch of two."""
+    planner = Planner(linear_costs(), max_nodes=10, max_depth=7)
+    t1, t2 = random_tree(6, 10), random_tree(7, 10)
+    tokens = torch.cat([t1.tokens, t2.tokens])
+    parents = torch.cat([t1.parents, t2.parents])
+    depths = torch.cat([t1.depths, t2.depths])
+    scores = torch.cat([t1.scores, t2.scores])
+    plan = planner.choose(["a", "b"], scores, depths)
+    plan.nodes = max(plan.nodes, 1)
+    tree = DraftTree(tokens, parents, depths, scores).prefix(plan.nodes + 1)
+    logits = torch.randn(2, tree.num_rows, 50)
+    logits[0, 0, int(tree.tokens[0, 1])] = 100.0  # request a accepts its first node
+    walk = verify_tree(tree.tokens, tree.parents, tree.depths, logits, torch.tensor([0, 0]),
+                       [SamplingSpec(), SamplingSpec()])
+    before = planner.depth.hits.clone()
+    planner.observe(["a", "b"], plan, [0.1, 0.1], walk.accept_lens.tolist(), tree, walk)
+    assert planner.depth.hits[1] > before[1] * planner.depth.decay
