@@ -392,7 +392,7 @@ def format_table(report: dict[str, Any]) -> str:
         name = task + ("" if s["grounded"] else " (open)" if s["demo_task"] else " (not trained)")
         for j, (method, ms) in enumerate(s["methods"].items()):
             cells = [_f(ms[key], fmt) for _, key, fmt in TABLE_COLUMNS]
-            entropy = _f(s["mean_root_entropy"], "{:.3f}") if j == 0 else ""
+            entropy = _f(s["mean_root_entropy"], "{:.3g}") if j == 0 else ""
             rows.append([name if j == 0 else "", LABELS.get(method, method), *cells, entropy])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
