@@ -54,6 +54,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             _fail(f"--upstream-api-key-env {args.upstream_api_key_env}: the variable is unset or empty")
     if args.upstream and args.backend != "sglang":
         _fail("--upstream is for --backend sglang")
+    if args.upstream and args.planner:
+        _fail("--planner cannot reach a running SGLang server (--upstream): start it with GLANCE_PLANNER=auto|fixed")
     if args.allow_remote_images and not args.remote_image_host:
         _fail("--allow-remote-images needs at least one --remote-image-host")
     return ServerConfig(
@@ -94,7 +96,7 @@ def build_app(args: argparse.Namespace):
         return create_app(config, backend, processor), f"sglang upstream {args.upstream} (prompts: {model})"
     from .embedded import EmbeddedBackend
 
-    planner = {"planner": args.planner} if drafter is not None else {}
+    planner = {"planner": args.planner} if drafter is not None and args.planner else {}
     engine = GlanceEngine.load(model, drafter, mode=args.mode if drafter is not None else "ar",
                                budget=args.budget, branch_k=args.branch_k, **planner)
     backend = EmbeddedBackend(engine, config)
@@ -110,13 +112,15 @@ def launch_managed_sglang(args: argparse.Namespace, model: Path, drafter: Path |
     import torch
 
     from glance_sgl.sglang.launch import launch_sglang
+    from glance_sgl.sglang.planning import PLANNER_ENV
 
     cpu = args.sglang_device == "cpu" or (args.sglang_device == "auto" and not torch.cuda.is_available())
     logging.getLogger("glance_server").info("launching SGLang (%s) on 127.0.0.1:%d", "CPU mode" if cpu else "GPU",
                                             args.sglang_port)
     try:
         handle = launch_sglang(model, drafter, port=args.sglang_port, cpu=cpu,
-                               extra_args=shlex.split(args.sglang_args or ""), timeout=args.sglang_timeout)
+                               extra_args=shlex.split(args.sglang_args or ""), timeout=args.sglang_timeout,
+                               env={PLANNER_ENV: args.planner} if args.planner else None)
     except (RuntimeError, TimeoutError, OSError) as exc:
         _fail(f"could not start SGLang: {exc}")
     atexit.register(handle.stop)
@@ -152,10 +156,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "sglang it supplies the chat template")
     p.add_argument("--drafter", help="GLANCE drafter directory (default: the bundled demo drafter)")
     p.add_argument("--mode", choices=["glance", "chain", "ar"], default="glance", help="default decoding")
-    p.add_argument("--planner", choices=["auto", "fixed"], default="auto",
-                   help="default GLANCE planner (requests may choose with \"glance\": {\"planner\": ...}): auto "
-                   "picks the tree size per round from measured costs and predicted acceptance, down to no draft; "
-                   "fixed verifies the --budget tree every round (the ablation)")
+    p.add_argument("--planner", choices=["auto", "fixed"], default=None,
+                   help="GLANCE planner (default auto; embedded requests may choose with \"glance\": {\"planner\": "
+                   "...}): auto picks the tree size per round from measured costs and predicted acceptance, down to "
+                   "no draft; fixed verifies the --budget tree every round (the ablation). A launched SGLang server "
+                   "gets it as GLANCE_PLANNER")
     p.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
     p.add_argument("--branch-k", type=int, default=None)
     p.add_argument("--served-model-name", default="glance-demo")

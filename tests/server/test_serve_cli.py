@@ -41,6 +41,7 @@ def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
     (["serve", "--api-key-env", "GLANCE_TEST_UNSET_VARIABLE"], "unset or empty"),
     (["serve", "--allow-remote-images"], "--remote-image-host"),
     (["serve", "--planner", "greedy"], "invalid choice: 'greedy'"),
+    (["serve", "--backend", "sglang", "--upstream", "http://127.0.0.1:9", "--planner", "fixed"], "GLANCE_PLANNER"),
 ])
 def test_serve_argument_errors(argv, message, capsys, checkpoints):
     code, err = run_cli(argv, capsys)
