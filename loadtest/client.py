@@ -148,6 +148,12 @@ class GatewayClient:
             rec.accepted_tokens = glance.get("accepted_tokens")
             rec.acceptance_rate = glance.get("acceptance_rate")
             rec.queue_ms = glance.get("queue_ms")
+            rec.planner = glance.get("planner")
+            rows = glance.get("rows_histogram")
+            if rows and sum(rows.values()):
+                rec.mean_rows_per_round = sum(int(r) * n for r, n in rows.items()) / sum(rows.values())
+            rec.rounds_without_drafting = glance.get("rounds_without_drafting")
+            rec.predicted_tokens_per_round = glance.get("predicted_tokens_per_round")
             rec.estimated_speedup = glance.get("estimated_speedup")
             measured = glance.get("measured") or {}
             rec.measured_speedup = measured.get("decode_speedup")

@@ -72,6 +72,12 @@ def table(result: RunResult) -> str:
                    f"{_fmt(sp['tau']['min'])} / {_fmt(sp['tau']['p90'])} / {_fmt(sp['tau']['p99'])}"),
               _row("Tau - 1 (accepted drafts/round) mean:", sp["tau_minus_1"]["mean"]),
               _row("Acceptance rate mean:", sp["acceptance_rate"]["mean"], 3),
+              _row("Planners:", " ".join(f"{k}={v}" for k, v in sp["planners"].items()) or None),
+              _row("Rows verified per round (pooled):", sp["mean_rows_per_round"]),
+              _row("Rounds without drafting (%):", 100 * sp["rounds_without_drafting_fraction"]
+                   if sp["rounds_without_drafting_fraction"] is not None else None),
+              _row("Predicted / committed tokens per round:",
+                   _pair(sp["predicted_tokens_per_round"], sp["committed_tokens_per_planned_round"])),
               _row("Estimated speedup mean / median:",
                    _pair(sp["estimated_speedup"]["mean"], sp["estimated_speedup"]["median"])),
               _row("Estimated speedup P90 / P99:",
@@ -98,6 +104,9 @@ def table(result: RunResult) -> str:
                   _row("Completion tokens server / client:",
                        f"{result.server['completion_tokens']} / {c.get('client_completion_tokens')}"),
                   _row("Server tau mean (histogram):", result.server["tau_mean"]),
+                  _row("Server rows per round / no-draft rounds:",
+                       f"{_fmt(result.server['mean_rows_per_round'])} / {result.server['rounds_without_drafting']}"
+                       f" of {result.server['rounds']}"),
                   _row("Engine errors (server):", result.server["engine_errors"])]
     lines.append("=" * WIDTH)
     return "\n".join(lines)

@@ -57,6 +57,10 @@ class RequestRecord:
     accepted_tokens: int | None = None
     acceptance_rate: float | None = None
     mode: str | None = None
+    planner: str | None = None  # the gateway's glance.planner ("auto" | "fixed" | None)
+    mean_rows_per_round: float | None = None  # from glance.rows_histogram (1 = a round without drafting)
+    rounds_without_drafting: int | None = None
+    predicted_tokens_per_round: float | None = None
     queue_ms: float | None = None
     estimated_speedup: float | None = None
     measured_speedup: float | None = None
@@ -162,6 +166,8 @@ def summarize(records: list[RequestRecord], slos: dict[str, float] | None = None
                            "matched": sum(r.lossless_match is True for r in ok)},
         "tau_histogram": histogram((r.tau for r in ok), tau_edges),
         "modes": _count(r.mode for r in ok),
+        "planners": _count(r.planner for r in ok if r.planner),
+        **_planner_pooled(ok),
     }
     by_task = {}
     for name in sorted({r.task for r in records}):
@@ -204,6 +210,26 @@ def _pooled_tau(records: list[RequestRecord]) -> float | None:
     rounds = sum(r.rounds or 0 for r in records if r.tau is not None)
     decode = sum((r.tau or 0.0) * (r.rounds or 0) for r in records if r.tau is not None)
     return decode / rounds if rounds else None
+
+
+def _planner_pooled(records: list[RequestRecord]) -> dict[str, float | None]:
+    """Rows per round, the share of rounds without drafting, and the planner's predicted tokens per round next
+    to the tokens those rounds committed, pooled over rounds (requests that report them)."""
+    rows = [r for r in records if r.mean_rows_per_round is not None and r.rounds]
+    n_rows = sum(r.rounds for r in rows)
+    skipped = [r for r in records if r.rounds_without_drafting is not None and r.rounds]
+    n_skipped = sum(r.rounds for r in skipped)
+    planned = [r for r in records if r.predicted_tokens_per_round is not None and r.rounds and r.tau is not None]
+    n_planned = sum(r.rounds for r in planned)
+    return {
+        "mean_rows_per_round": sum(r.mean_rows_per_round * r.rounds for r in rows) / n_rows if n_rows else None,
+        "rounds_without_drafting_fraction": sum(r.rounds_without_drafting for r in skipped) / n_skipped
+        if n_skipped else None,
+        "predicted_tokens_per_round": sum(r.predicted_tokens_per_round * r.rounds for r in planned) / n_planned
+        if n_planned else None,
+        "committed_tokens_per_planned_round": sum(r.tau * r.rounds for r in planned) / n_planned
+        if n_planned else None,
+    }
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
@@ -285,6 +311,8 @@ def server_delta(before: dict, after: dict) -> dict[str, Any]:
         for code, n in by_route.get(route, {}).items():
             load[code] = load.get(code, 0) + n
     tau_n, tau_sum = d("glance_tau_count"), d("glance_tau_sum")
+    rows_n, rows_sum = d("glance_rows_per_round_count"), d("glance_rows_per_round_sum")
+    rounds, predicted = d("glance_rounds_total"), d("glance_planner_predicted_tokens_total")
     return {
         "requests_by_route": {r: dict(sorted(v.items())) for r, v in sorted(by_route.items())},
         "chat_requests_by_status": dict(sorted(by_route.get("/v1/chat/completions", {}).items())),
@@ -296,6 +324,11 @@ def server_delta(before: dict, after: dict) -> dict[str, Any]:
         "completion_tokens": int(d("glance_completion_tokens_total")),
         "tau_observations": int(tau_n),
         "tau_mean": tau_sum / tau_n if tau_n else None,
+        "rounds": int(rounds),
+        "mean_rows_per_round": rows_sum / rows_n if rows_n else None,
+        "rounds_without_drafting": int(d("glance_rounds_without_drafting_total")),
+        "planner_predicted_tokens": predicted,
+        "planner_committed_tokens": d("glance_planner_committed_tokens_total"),
         "engine_errors": int(d("glance_engine_errors_total")),
         "queue_depth": metric_sum(after, "glance_queue_depth"),
         "in_flight": metric_sum(after, "glance_in_flight"),

@@ -54,6 +54,15 @@ def test_counts_match_metrics_and_percentiles_match_records(load_gateway, api_ke
     assert delta["tau_observations"] == sum(r.tau is not None for r in records)
     assert result.summary["consistency"]["counts_match"]
     assert result.server["completion_tokens"] == delta["completion_tokens"]
+    # the planner's per-round counts: the server's series add up to the responses' glance objects
+    assert delta["rounds"] == sum(r.rounds for r in records)
+    assert delta["rounds_without_drafting"] == sum(r.rounds_without_drafting for r in records)
+    assert delta["mean_rows_per_round"] == pytest.approx(s["speculative"]["mean_rows_per_round"])
+    assert delta["planner_committed_tokens"] == sum(r.completion_tokens - 1 for r in records if r.planner)
+    assert delta["planner_predicted_tokens"] == pytest.approx(s["speculative"]["predicted_tokens_per_round"]
+                                                             * sum(r.rounds for r in records if r.planner))
+    assert s["speculative"]["planners"] == {"auto": len(records)}
+    assert 0 <= s["speculative"]["rounds_without_drafting_fraction"] <= 1
 
     # reported percentiles are those of the per-request records
     def check(dist, values):

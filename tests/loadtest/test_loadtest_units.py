@@ -170,6 +170,32 @@ def test_prometheus_delta():
     d = server_delta(before, after)
     assert d["load_requests_by_status"] == {"200": 4, "401": 2}
     assert d["tau_mean"] == pytest.approx(3.0)
+    assert d["rounds"] == 0 and d["mean_rows_per_round"] is None  # a gateway without the planner series
+    after = parse_prometheus('glance_rows_per_round_count{mode="glance"} 10\n'
+                             'glance_rows_per_round_sum{mode="glance"} 64\n'
+                             'glance_rows_per_round_count{mode="ar"} 6\nglance_rows_per_round_sum{mode="ar"} 6\n'
+                             'glance_rounds_total{mode="glance"} 10\nglance_rounds_total{mode="ar"} 6\n'
+                             'glance_rounds_without_drafting_total{mode="glance"} 4\n'
+                             'glance_rounds_without_drafting_total{mode="ar"} 6\n')
+    d = server_delta({}, after)
+    assert d["rounds"] == 16 and d["rounds_without_drafting"] == 10
+    assert d["mean_rows_per_round"] == pytest.approx(70 / 16)
+
+
+def test_planner_fields_pool_over_rounds():
+    def rec(i, rounds, rows, skipped, predicted, tau, planner="auto"):
+        return RequestRecord(index=i, task="t", endpoint="chat", stream=False, n_images=0, start_s=0.0, end_s=1.0,
+                             ok=True, status=200, e2e_ms=10.0, completion_tokens=1 + round(tau * rounds), rounds=rounds,
+                             tau=tau, planner=planner, mean_rows_per_round=rows, rounds_without_drafting=skipped,
+                             predicted_tokens_per_round=predicted)
+
+    s = summarize([rec(0, 10, 4.0, 2, 3.0, 2.5), rec(1, 30, 1.0, 30, 1.0, 1.0),
+                   rec(2, 5, 1.0, 5, None, 1.0, planner=None)])["speculative"]
+    assert s["planners"] == {"auto": 2}
+    assert s["mean_rows_per_round"] == pytest.approx((40 + 30 + 5) / 45)
+    assert s["rounds_without_drafting_fraction"] == pytest.approx(37 / 45)
+    assert s["predicted_tokens_per_round"] == pytest.approx((30 + 30) / 40)
+    assert s["committed_tokens_per_planned_round"] == pytest.approx((25 + 30) / 40)
 
 
 # ------------------------------------------------------------------------------------------------ users, data, CLI

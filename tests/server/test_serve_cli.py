@@ -53,7 +53,8 @@ def test_glance_serve_process(checkpoints):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLANCE_TEST_KEY": "s3cret"}
     proc = subprocess.Popen(
         [*GLANCE, "serve", "--model", str(target), "--drafter", str(drafter), "--port", "0", "--budget", "7",
-         "--planner", "fixed", "--served-model-name", "tiny", "--api-key-env", "GLANCE_TEST_KEY", "--no-calibrate", "--threads", "1"],
+         "--planner", "fixed", "--served-model-name", "tiny", "--api-key-env", "GLANCE_TEST_KEY", "--no-calibrate",
+         "--threads", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None
