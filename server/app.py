@@ -26,8 +26,8 @@ from .config import ServerConfig
 from .errors import APIError, bad_request
 from .images import decode_data_url, decode_image
 from .jobs import Backend, GenOutput, GenRequest, Job
-from .protocol import (PLANNERS, ChatRequest, check_model, chat_request, chunk_body, completion_body,
-                       sampling_params, usage)
+from .protocol import (PLANNERS, ChatRequest, check_model, check_planner, chat_request, chunk_body,
+                       completion_body, sampling_params, usage)
 from .sglang import meta_info, parse_prompt, render_prompt
 from .telemetry import Telemetry
 
@@ -399,7 +399,9 @@ async def multipart_request(request: Request, config: ServerConfig) -> GenReques
     if mode not in (None, "glance", "chain", "ar"):
         raise bad_request(f"mode must be glance, chain or ar, got {mode!r}", "invalid_value", "mode")
     planner = form.get("planner") or None
-    if planner is not None and planner not in PLANNERS:
+    if planner is not None and mode is not None:
+        check_planner(planner, mode, "planner")
+    elif planner is not None and planner not in PLANNERS:
         raise bad_request(f"planner must be auto or fixed, got {planner!r}", "invalid_value", "planner")
     params = sampling_params(config, form_number(form, "max_tokens", int), form_number(form, "temperature", float, 0.0),
                              form_number(form, "top_p", float), [s for s in form.getlist("stop") if s] or None,

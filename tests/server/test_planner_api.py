@@ -97,6 +97,10 @@ def test_multipart_planner(gateway, auth):
                    headers=auth, timeout=30)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "planner" and "auto or fixed" in err["message"], r.text
+    r = httpx.post(gateway.url + "/v1/generate", files=files, data={"prompt": "x", "planner": "auto", "mode": "ar"},
+                   headers=auth, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "planner" and "mode 'glance'" in err["message"], r.text
 
 
 def test_metrics_count_rows_rounds_and_predictions(gateway):

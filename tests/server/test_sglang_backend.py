@@ -31,6 +31,7 @@ def test_chat_through_sglang_backend_matches_embedded(gateway, sglang_gateway):
         assert g[key] == pytest.approx(d[key]), key
     assert g["acceptance_histogram"] == d["acceptance_histogram"][: len(g["acceptance_histogram"])]
     assert g["committed_per_round"] is None  # SGLang does not report it
+    assert g["rows_histogram"] is None and g["planner"] is None  # nor the rows or the planner of its rounds
     assert g["prefill_ms"] >= 0 and g["decode_ms"] >= 0
     # streaming through the proxy
     chunks = list(proxied_client.chat.completions.create(**kwargs, stream=True,
@@ -80,6 +81,11 @@ def test_sglang_backend_errors(engine):
                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                              "glance": {"measure_speedup": True}})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                             "glance": {"planner": "fixed"}})  # SGLang plans per batch, by its own setting
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "unsupported_parameter" and err["param"] == "glance.planner"
     finally:
         server.stop()
 
