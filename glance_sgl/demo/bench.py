@@ -102,9 +102,9 @@ class MethodStats:
         if pred:
             self.predicted += sum(pred)
             self.predicted_rounds += len(pred)
-            # predictions cover every round (the planner predicts AR rounds too); else compare with all rounds
-            committed = m.committed_per_round if len(pred) == m.rounds else m.committed_per_round[-len(pred):]
-            self.predicted_committed += sum(committed)
+            # the planner predicts every round of a request it plans (its AR rounds too: 1 token); were some
+            # rounds unpredicted, they would be the first ones, before the planner took over
+            self.predicted_committed += sum(m.committed_per_round[m.rounds - len(pred):])
 
     def add_peer(self, tokens: list[int], decode_ms: float, e2e_ms: float, ar_tokens: list[int]) -> None:
         """One Hugging Face ``generate`` run; with observable rounds (greedy) one round per decoded token."""
