@@ -1,0 +1,124 @@
+"""Before/after on this machine in one process: this checkout's engine against an earlier commit's engine.
+
+    .venv/bin/python scripts/compare_commit.py --commit 2c6fa6d [--limit 40] [--max-tokens 96] [--json out.json]
+
+The earlier commit's ``glance_sgl`` is exported with ``git archive`` into a temporary folder and imported under
+another name (``glance_base``), so both engines load the same bundled checkpoints side by side. For every task
+and prompt the methods run back to back in an order that rotates from prompt to prompt: this checkout's AR path,
+GLANCE (planner auto), GLANCE (fixed tree), and the earlier commit's AR path and GLANCE. Each GLANCE speedup is
+over its own engine's AR path; outputs are compared token for token with this checkout's AR path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import math
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def import_commit(commit: str, name: str = "glance_base"):
+    """``glance_sgl`` as of ``commit``, importable as ``name`` (absolute self-imports rewritten)."""
+    tmp = Path(tempfile.mkdtemp(prefix="glance-base-"))
+    data = subprocess.run(["git", "-C", str(REPO), "archive", commit, "glance_sgl"], check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(tmp, filter="data")
+    (tmp / "glance_sgl").rename(tmp / name)
+    for py in (tmp / name).rglob("*.py"):
+        py.write_text(py.read_text().replace("glance_sgl.", f"{name}.").replace("from glance_sgl ", f"from {name} "))
+    sys.path.insert(0, str(tmp))
+    return importlib.import_module(f"{name}.engine"), tmp / name
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--limit", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--tasks", default="caption,text,chart,document,open,wild")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from glance_sgl.demo.bench import bench_examples
+    from glance_sgl.engine import GlanceEngine, SamplingParams
+    from glance_sgl.demo.paths import bundled_drafter, bundled_target
+
+    base_engine_mod, base_dir = import_commit(args.commit)
+    new = GlanceEngine.load(bundled_target(), bundled_drafter())
+    old = base_engine_mod.GlanceEngine.load(base_dir / "demo/assets/target", base_dir / "demo/assets/drafter")
+    params, old_params = SamplingParams(max_tokens=args.max_tokens), base_engine_mod.SamplingParams(
+        max_tokens=args.max_tokens)
+    runs = {
+        "ar": lambda m: new.generate(m, params, mode="ar"),
+        "auto": lambda m: new.generate(m, params, planner="auto"),
+        "fixed": lambda m: new.generate(m, params, planner="fixed"),
+        "base_ar": lambda m: old.generate(m, old_params, mode="ar"),
+        "base_glance": lambda m: old.generate(m, old_params, mode="glance"),
+    }
+    names = list(runs)
+    warm = bench_examples("caption", 1)[0].messages()
+    for fn in runs.values():
+        fn(warm)
+    tasks = args.tasks.split(",")
+    jobs = [(t, ex) for t in tasks for ex in bench_examples(t, args.limit)]
+    tot = {t: {n: [0.0, 0, 0] for n in names} for t in tasks}  # decode ms, decode tokens, rounds
+    same = {t: {n: 0 for n in names} for t in tasks}
+    count = {t: 0 for t in tasks}
+    with torch.no_grad():
+        for i, (task, ex) in enumerate(tqdm(jobs, desc="compare", dynamic_ncols=True)):
+            messages = ex.messages()
+            order = names[i % len(names):] + names[: i % len(names)]
+            out = {n: runs[n](messages) for n in order}
+            count[task] += 1
+            for n, r in out.items():
+                m = r.metrics
+                tot[task][n][0] += m.decode_ms
+                tot[task][n][1] += m.decode_tokens
+                tot[task][n][2] += m.rounds
+                same[task][n] += int(r.token_ids == out["ar"].token_ids)
+    report: dict = {"commit": args.commit, "limit": args.limit, "max_tokens": args.max_tokens, "tasks": {}}
+    print(f"{'task':>9} | {'AR ms/tok':>9} | {'auto x':>6} {'tau':>5} {'rc':>5} | {'fixed x':>7} {'tau':>5} "
+          f"{'rc':>5} | {'base x':>6} {'tau':>5} {'rc':>5} | lossless")
+    for task in tasks:
+        t = tot[task]
+
+        def mspt(n: str) -> float:
+            return t[n][0] / max(t[n][1], 1)
+
+        row = {}
+        for n, ar in (("auto", "ar"), ("fixed", "ar"), ("base_glance", "base_ar")):
+            row[n] = {"speedup": mspt(ar) / mspt(n), "tau": t[n][1] / max(t[n][2], 1),
+                      "round_cost_ar_steps": (t[n][0] / max(t[n][2], 1)) / mspt(ar)}
+        row["ar_ms_per_token"] = mspt("ar")
+        row["lossless"] = min(same[task][n] for n in names) / count[task]
+        report["tasks"][task] = row
+        print(f"{task:>9} | {row['ar_ms_per_token']:9.2f} | " + " | ".join(
+            f"{row[n]['speedup']:6.2f} {row[n]['tau']:5.2f} {row[n]['round_cost_ar_steps']:5.2f}"
+            for n in ("auto", "fixed", "base_glance")) + f" | {row['lossless']:.2f}")
+    demo = [t for t in tasks if t != "wild"]
+    for n in ("auto", "fixed", "base_glance"):
+        vals = [report["tasks"][t][n]["speedup"] for t in demo]
+        report[f"geomean_{n}"] = math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
+    if report.get("geomean_base_glance"):
+        print(f"geomean over {', '.join(demo)}: auto {report['geomean_auto']:.2f}x, fixed "
+              f"{report['geomean_fixed']:.2f}x, {args.commit} {report['geomean_base_glance']:.2f}x "
+              f"(auto / base = {report['geomean_auto'] / report['geomean_base_glance']:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
