@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Literal, Sequence
@@ -469,5 +470,28 @@ class Planner:
             st.ar_streak = 0
 
 
-__all__ = ["CostModel", "Planner", "Plan", "PlannerMode", "PLANNER_MODES", "calibrate", "cost_key", "load_costs",
+class RandomPlanner(Planner):
+    """A test policy: each batch drafts with probability 2/3 and then verifies a random number of nodes
+    (0 .. max), otherwise runs a plain AR step; seeded. Lossless must hold whatever a planner picks, since every
+    prefix of a best-first tree (the root alone included) is a valid tree. Feedback and costs are recorded as
+    usual."""
+
+    def __init__(self, *args, seed: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng = random.Random(seed)
+
+    def gate(self, rids, lead_entropies) -> bool:
+        return self.rng.random() < 2 / 3
+
+    def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor) -> Plan:
+        limit = min(scores.shape[1] - 1, self.max_nodes)
+        n = self.rng.randint(0, limit)
+        raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1])[:, n]
+        for r in rids:
+            self.state(r).last_nodes = n
+        return Plan(n, [1.0 + float(a) for a in raw.tolist()], self.costs.round_ms(n, len(rids)),
+                    raw_accept=raw.tolist())
+
+
+__all__ = ["CostModel", "Planner", "RandomPlanner", "Plan", "PlannerMode", "PLANNER_MODES", "calibrate", "cost_key", "load_costs",
            "save_costs", "default_row_grid", "DepthCalibration", "EntropyTable", "RequestPlanState"]

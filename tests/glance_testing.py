@@ -13,7 +13,6 @@ from PIL import Image
 
 from glance_sgl.checkpoints import MASK_TOKEN
 from glance_sgl.drafter import GlanceDrafter
-from glance_sgl.planner import CostModel, Plan, Planner
 from glance_sgl.target import TargetAdapter
 
 ARCHS = ["qwen2_5_vl", "qwen2_vl"]
@@ -56,19 +55,3 @@ def random_drafter(target: TargetAdapter, seed: int = 0, **overrides) -> GlanceD
     mask_id = target.tokenizer.convert_tokens_to_ids(MASK_TOKEN)
     return GlanceDrafter.for_target(target.text_config, mask_id, seed=seed, **overrides)
 
-
-class RandomPlanner(Planner):
-    """A test policy: draft or not, and how many nodes, at random (seeded). Lossless must hold whatever a
-    planner picks, since every prefix of a best-first tree (the root alone included) is a valid tree."""
-
-    def __init__(self, costs: CostModel, max_nodes: int, max_depth: int, seed: int = 0) -> None:
-        super().__init__(costs, max_nodes=max_nodes, max_depth=max_depth)
-        self.rng = random.Random(seed)
-
-    def gate(self, rids, lead_entropies) -> bool:
-        return self.rng.random() < 0.6
-
-    def choose(self, rids, scores, depths) -> Plan:
-        plan = super().choose(rids, scores, depths)
-        plan.nodes = self.rng.randint(0, min(scores.shape[1] - 1, self.max_nodes))
-        return plan

@@ -12,7 +12,9 @@ import torch
 from glance_sgl.engine import GlanceEngine, SamplingParams
 from glance_sgl.tree import max_tree_size
 
-from glance_testing import ARCHS, RandomPlanner, make_prompts, random_drafter
+from glance_sgl.planner import RandomPlanner
+
+from glance_testing import ARCHS, make_prompts, random_drafter
 
 N_PROMPTS = 50
 MAX_TOKENS = 24
