@@ -414,6 +414,8 @@ class GlanceWorker(BaseSpecWorker):
         self.planner.observe(rids, plan, lead, accepted.tolist(), tree if drafted else None,
                              walk if drafted else None)
         prof.mark("kv+stash+plan")
+        if prof.on:
+            prof.parts.append(f"accepted={accepted.tolist()} lead={[None if h is None else round(h, 2) for h in lead]}")
 
         accept_lens = (accepted + 1).to(torch.int32)
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32)

@@ -21,12 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 from dataclasses import dataclass, field
 
-import torch
-
-from glance_sgl.planner import CostModel, Plan, Planner, _interp, cost_cache_dir
+from glance_sgl.planner import CostModel, Planner, RandomPlanner, _interp, cost_cache_dir
 
 PLANNER_ENV = "GLANCE_PLANNER"
 SGLANG_PLANNER_MODES = ("auto", "fixed", "random")
@@ -168,27 +165,6 @@ def load_batch_costs(key: str) -> BatchCostModel | None:
 
 
 # ---------------------------------------------------------------------------------------------- policies
-class RandomPlanner(Planner):
-    """Test-only policy: each batch drafts with probability 2/3 and then verifies a random number of nodes
-    (0 .. max), otherwise runs a plain AR step. Feedback and costs are recorded as usual."""
-
-    def __init__(self, *args, seed: int = 0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.rng = random.Random(seed)
-
-    def gate(self, rids, lead_entropies) -> bool:
-        return self.rng.random() < 2 / 3
-
-    def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor) -> Plan:
-        limit = min(scores.shape[1] - 1, self.max_nodes)
-        n = self.rng.randint(0, limit)
-        raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1])[:, n]
-        for r in rids:
-            self.state(r).last_nodes = n
-        return Plan(n, [1.0 + float(a) for a in raw.tolist()], self.costs.round_ms(n, len(rids)),
-                    raw_accept=raw.tolist())
-
-
 def make_planner(mode: str, costs: CostModel, max_nodes: int, max_depth: int, seed: int = 0) -> Planner:
     """The worker's planner for ``mode`` (see :func:`planner_mode_from_env`)."""
     if mode == "random":
@@ -196,5 +172,5 @@ def make_planner(mode: str, costs: CostModel, max_nodes: int, max_depth: int, se
     return Planner(costs, max_nodes, max_depth, mode=mode)
 
 
-__all__ = ["BatchCostModel", "load_batch_costs", "RandomPlanner", "make_planner", "planner_mode_from_env", "PLANNER_ENV",
+__all__ = ["BatchCostModel", "load_batch_costs", "make_planner", "planner_mode_from_env", "PLANNER_ENV",
            "SGLANG_PLANNER_MODES"]

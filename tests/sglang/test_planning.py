@@ -58,7 +58,8 @@ def test_batch_cost_model_interpolates_refines_and_round_trips(tmp_path, monkeyp
 
 
 def test_random_planner_mixes_ar_steps_and_every_tree_size():
-    from glance_sgl.sglang.planning import BatchCostModel, RandomPlanner, make_planner
+    from glance_sgl.planner import RandomPlanner
+    from glance_sgl.sglang.planning import BatchCostModel, make_planner
 
     p = make_planner("random", BatchCostModel.prior(), max_nodes=7, max_depth=4, seed=3)
     assert isinstance(p, RandomPlanner)
