@@ -2,9 +2,12 @@
 
     python -m glance_sgl.sglang.bench [--model DIR --drafter DIR] [--prompts 32] [--max-tokens 64]
         [--methods none,ngram,glance,glance-fixed] [--concurrency 1,4,16] [--wild 16] [--wild-concurrency 1,8]
+        [--interleave]
 
 The same harness for every method, each method in a fresh engine in its own process (``runner.EngineProcess``),
-warmed up at every concurrency level first (the auto planner calibrates its cost model on the first batches of
+one method after the other, or with ``--interleave`` all engines alive at once and each scenario's request chunks
+run by every method in a rotating order (robust to a busy shared machine); every engine is warmed up at every
+concurrency level first (the auto planner calibrates its cost model on the first batches of
 each size, or loads its cached calibration). Scenarios:
 
 - ``demo c=K``: the demo evaluation prompts (images included) with K requests in flight (a new one starts when
@@ -56,12 +59,38 @@ def engine_env(method: str) -> dict[str, str]:
     return {"GLANCE_PLANNER": "fixed" if method == "glance-fixed" else "auto"}
 
 
-def _summary(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
-    verify = sum(r["meta_info"].get("spec_verify_ct") or 0 for r in results)
-    spec_tokens = sum(r["meta_info"]["completion_tokens"] - 1 for r in results if r["meta_info"].get("spec_verify_ct"))
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
-            "tau": spec_tokens / verify if verify else 1.0, "outputs": [r["output_ids"] for r in results]}
+def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: bool) -> dict[str, Any]:
+    """One engine on ``reqs`` with ``c`` in flight: sums to pool (``decode``: also the max_tokens=1 latencies)."""
+    one = eng.generate([{**r, "max_tokens": 1} for r in reqs])["results"] if decode else None
+    t0 = time.perf_counter()
+    res = eng.generate(reqs, concurrency=c)["results"]
+    part = {"wall_s": time.perf_counter() - t0, "outputs": [r["output_ids"] for r in res],
+            "tokens": sum(r["meta_info"]["completion_tokens"] for r in res),
+            "verify": sum(r["meta_info"].get("spec_verify_ct") or 0 for r in res),
+            "spec_tokens": sum(r["meta_info"]["completion_tokens"] - 1 for r in res
+                               if r["meta_info"].get("spec_verify_ct"))}
+    if decode:
+        part["decode_s"] = sum(max(f["meta_info"]["e2e_latency"] - o["meta_info"]["e2e_latency"], 0.0)
+                               for o, f in zip(one, res))
+        part["decode_tokens"] = sum(max(f["meta_info"]["completion_tokens"] - 1, 0) for f in res)
+    return part
+
+
+def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A scenario's row from its measured parts (pooled sums)."""
+    tot = {k: sum(p[k] for p in parts) for k in parts[0] if k != "outputs"}
+    row = {"tokens": tot["tokens"], "wall_s": tot["wall_s"],
+           "tokens_per_s": tot["tokens"] / tot["wall_s"] if tot["wall_s"] > 0 else float("nan"),
+           "tau": tot["spec_tokens"] / tot["verify"] if tot["verify"] else 1.0,
+           "outputs": [o for p in parts for o in p["outputs"]]}
+    if "decode_s" in tot:
+        row["decode_tokens_per_s"] = tot["decode_tokens"] / tot["decode_s"] if tot["decode_s"] > 0 else float("nan")
+    return row
+
+
+def _warm_up(eng: EngineProcess, scenarios: dict[str, tuple[list[dict[str, Any]], int]]) -> None:
+    for reqs, c in scenarios.values():  # every level (short answers): calibration lands here, not in the runs
+        eng.generate([{**r, "max_tokens": 16} for r in reqs[: 2 * c]], concurrency=c)
 
 
 def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[list[dict[str, Any]], int]],
@@ -71,24 +100,44 @@ def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[l
     log = (log_dir / f"{method}.log") if log_dir else None
     out: dict[str, Any] = {"method": method, "scenarios": {}}
     with EngineProcess(kwargs, env=env, log_path=log) as eng:
-        for name, (reqs, c) in scenarios.items():  # warm-up at every level (short answers)
-            eng.generate([{**r, "max_tokens": 16} for r in reqs[: 2 * c]], concurrency=c)
+        _warm_up(eng, scenarios)
         for name, (reqs, c) in scenarios.items():
-            if name == "demo c=1":
-                one = eng.generate([{**r, "max_tokens": 1} for r in reqs])["results"]
-            t0 = time.perf_counter()
-            res = eng.generate(reqs, concurrency=c)["results"]
-            row = _summary(res, time.perf_counter() - t0)
-            if name == "demo c=1":
-                decode_s = sum(max(f["meta_info"]["e2e_latency"] - o["meta_info"]["e2e_latency"], 0.0)
-                               for o, f in zip(one, res))
-                decode_tokens = sum(max(f["meta_info"]["completion_tokens"] - 1, 0) for f in res)
-                row["decode_tokens_per_s"] = decode_tokens / decode_s if decode_s > 0 else float("nan")
-            out["scenarios"][name] = row
+            row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1")])
             print(f"[bench] {method} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
                   file=sys.stderr, flush=True)
         out["startup_s"] = eng.startup_s
     return out
+
+
+def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs: dict[str, dict[str, str]],
+                    scenarios: dict[str, tuple[list[dict[str, Any]], int]], log_dir: Path | None
+                    ) -> list[dict[str, Any]]:
+    """Every method's fresh engine alive at once; each scenario's requests in chunks (2 x in flight, at least
+    4), every chunk run by every method in an order that rotates from chunk to chunk, so that a busy spell on a
+    shared machine hits all methods alike."""
+    engines = {m: EngineProcess(kwargs[m], env=envs[m], log_path=(log_dir / f"{m}.log") if log_dir else None,
+                                wait=False) for m in methods}
+    try:
+        for eng in engines.values():
+            eng.wait_ready()
+        for eng in engines.values():
+            _warm_up(eng, scenarios)
+        rows = {m: {"method": m, "scenarios": {}, "startup_s": engines[m].startup_s} for m in methods}
+        for name, (reqs, c) in scenarios.items():
+            size = max(2 * c, 4)
+            parts: dict[str, list] = {m: [] for m in methods}
+            for k, i in enumerate(range(0, len(reqs), size)):
+                order = methods[k % len(methods):] + methods[: k % len(methods)]
+                for m in order:
+                    parts[m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1"))
+            for m in methods:
+                row = rows[m]["scenarios"][name] = _pool(parts[m])
+                print(f"[bench] {m} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}", file=sys.stderr,
+                      flush=True)
+        return [rows[m] for m in methods]
+    finally:
+        for eng in engines.values():
+            eng.close()
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -136,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--log-dir", type=Path, help="keep each engine's log here")
+    p.add_argument("--interleave", action="store_true",
+                   help="all methods' engines alive at once, request chunks alternating between them (a shared, "
+                        "busy machine); default: one method after the other")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if bad := sorted(set(methods) - set(METHODS)):
@@ -153,12 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.wild:
         wild = wild_requests(args.model, args.wild, args.max_tokens)
         scenarios.update({f"wild c={c}": (wild, c) for c in _levels(args.wild_concurrency, "--wild-concurrency", p)})
-    rows = []
-    for m in methods:
-        print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
-        kw = engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
-                           args.glance_draft_tokens)
-        rows.append(run_method(m, kw, scenarios, args.log_dir, env=engine_env(m)))
+    kwargs = {m: engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
+                               args.glance_draft_tokens) for m in methods}
+    if args.interleave:
+        print(f"[bench] {', '.join(methods)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
+              flush=True)
+        rows = run_interleaved(methods, kwargs, {m: engine_env(m) for m in methods}, scenarios, args.log_dir)
+    else:
+        rows = []
+        for m in methods:
+            print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
+            rows.append(run_method(m, kwargs[m], scenarios, args.log_dir, env=engine_env(m)))
     print(format_table(rows))
     if args.json:
         report = {"device": args.device, "prompts": args.prompts, "wild": args.wild, "max_tokens": args.max_tokens,
