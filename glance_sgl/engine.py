@@ -330,6 +330,8 @@ class GlanceEngine:
             raise RequestError(f"unknown decoding mode {mode!r}")
         if planner is not None and planner not in PLANNER_MODES and planner not in self._planners:
             raise RequestError(f"planner must be one of {PLANNER_MODES}, got {planner!r}", param="planner")
+        if planner is not None and mode != "glance":
+            raise RequestError(f"a planner applies to mode 'glance' only, not {mode!r}", param="planner")
         with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
             plan = self.planner(planner) if mode == "glance" else None
             t0 = time.perf_counter()

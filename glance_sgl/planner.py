@@ -42,6 +42,7 @@ ENTROPY_EDGES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 1.6, 2.5)
 ONLINE_RATE = 0.05  # weight of one timing observation in the cost model's overall scale
 SHAPE_RATE = 0.02  # ... and in the shape of its curves
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 64
+PROBE_BACKOFF = 4  # a failed probe waits this many times longer for the next (2, 8, 32, 64 rounds)
 TREND = 0.85  # decay per drafted round of a request's yield sums (its last several rounds dominate)
 
 
@@ -465,8 +466,8 @@ class Planner:
             paid = (1.0 + a) / round_ms > self.margin / ar_ms
             if paid:
                 st.probe_interval = MIN_PROBE_INTERVAL
-            elif st.ar_streak >= st.probe_interval:  # a failed probe: wait twice as long for the next
-                st.probe_interval = min(2 * st.probe_interval, MAX_PROBE_INTERVAL)
+            elif st.ar_streak >= st.probe_interval:  # a failed probe: wait longer for the next
+                st.probe_interval = min(PROBE_BACKOFF * st.probe_interval, MAX_PROBE_INTERVAL)
             st.ar_streak = 0
 
 
