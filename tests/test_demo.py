@@ -8,6 +8,8 @@ import torch
 
 from glance_sgl.demo import paths
 from glance_sgl.demo.tasks import GROUNDED, TASKS, eval_set, train_example
+from glance_sgl.engine import SamplingParams
+from glance_sgl.planner import CostModel, Planner
 
 
 def pixels(img) -> bytes:
@@ -174,6 +176,39 @@ def test_bundled_drafter_accepts_long_blocks_where_the_picture_decides(bundled):
                        max_tokens=64, progress=False)
     assert tau["document"] >= 6 and tau["text"] >= 4, tau
     assert tau["open"] < min(tau["document"], tau["text"]) - 1, tau
+
+
+class FrozenCosts(CostModel):
+    """A cost model that does not learn from timings: the planner's choices become a function of the outputs."""
+
+    def observe_verify(self, rows, batch, ms): pass
+
+    def observe_draft(self, batch, ms): pass
+
+    def observe_overhead(self, ms): pass
+
+
+def test_planner_drafts_on_forms_and_stops_on_unfamiliar_inputs(bundled):
+    """With the costs of a 2-core CPU (a round of the 15-node tree ~2 AR steps), the bundled pair drafts nearly
+    every round on order forms and hardly at all on requests unlike its training data, losslessly."""
+    from glance_sgl.demo.wild import wild_set
+
+    rows = [1, 2, 4, 8, 16, 32, 64]
+    costs = FrozenCosts(rows, [5.5, 5.7, 6.0, 6.6, 8.0, 10.5, 14.0], [1], [2.0], overhead_ms=1.0)
+    bundled.install_planner("cpu-like", Planner(costs, max_nodes=bundled.max_nodes,
+                                                max_depth=bundled.block_size - 1))
+    params = SamplingParams(max_tokens=64)
+    no_draft = {"document": [0, 0], "wild": [0, 0]}
+    examples = {"document": [ex.messages() for ex in eval_set("document")[:3]],
+                "wild": [ex.messages() for ex in wild_set()[:6]]}
+    for task, requests in examples.items():
+        for messages in requests:
+            got = bundled.generate(messages, params, planner="cpu-like")
+            assert got.token_ids == bundled.generate(messages, params, mode="ar").token_ids
+            no_draft[task][0] += got.metrics.rounds_without_drafting
+            no_draft[task][1] += got.metrics.rounds
+    assert no_draft["document"][0] <= 0.1 * no_draft["document"][1], no_draft
+    assert no_draft["wild"][0] >= 0.7 * no_draft["wild"][1], no_draft
 
 
 def test_make_serve_example_is_answered_as_printed(bundled):

@@ -145,7 +145,8 @@ def train_drafter(
 
 def evaluate_tau(engine, examples_by_task: dict[str, list[list[dict[str, Any]]]], max_tokens: int = 96,
                  progress: bool = True) -> dict[str, float]:
-    """Pooled tau per task of ``engine`` (GLANCE mode, greedy) on the given requests."""
+    """Pooled tau per task of ``engine`` (GLANCE mode with the fixed tree every round, greedy) on the given
+    requests: what the drafter accepts, whatever the planner would choose to verify."""
     from tqdm import tqdm
 
     from ..engine import SamplingParams
@@ -154,7 +155,7 @@ def evaluate_tau(engine, examples_by_task: dict[str, list[list[dict[str, Any]]]]
     for task, requests in examples_by_task.items():
         committed = rounds = 0
         for messages in tqdm(requests, desc=f"tau {task}", disable=not progress, leave=False):
-            m = engine.generate(messages, SamplingParams(max_tokens=max_tokens), mode="glance").metrics
+            m = engine.generate(messages, SamplingParams(max_tokens=max_tokens), mode="glance", planner="fixed").metrics
             committed += sum(m.committed_per_round)
             rounds += m.rounds
         out[task] = committed / rounds if rounds else 1.0
