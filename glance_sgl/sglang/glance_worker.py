@@ -12,17 +12,18 @@ algorithm (``glance_sgl.drafter`` / ``tree`` / ``verify`` and ``glance_kernels``
   drafts: the drafter contexts catch up (ONE batched ``extend_context`` over the tap features stashed since the
   last drafter pass), one drafter pass for every request's block ``[root, MASK x (B-1)]``, the best-first tree
   at the full budget (``N - 1`` nodes, ``N = --speculative-num-draft-tokens``), and ``planner.choose`` keeps its
-  first ``nodes + 1`` rows (0 nodes: the root alone). If not: a plain AR step, i.e. a 1-row verify of the root.
-  Then the TARGET_VERIFY input (FULL mask, positions ``prefix + depth``; SGLang adds the M-RoPE delta) over R
-  rows (1 <= R <= N: the first R of the N KV slots SGLang reserved per request after its prefix), the target's
-  pass, the walk (greedy at T = 0, seeded lossless sampling at T > 0), the accepted rows' K/V moved to the front
+  first ``nodes + 1`` rows (0 nodes: the root alone). If not: a plain AR step, SGLang's own DECODE forward of
+  the root (the batch shown to it as a non-speculative decode batch for that forward). A tree of R > 1 rows
+  gets the TARGET_VERIFY input (FULL mask, positions ``prefix + depth``; SGLang adds the M-RoPE delta); either
+  way the pass writes the first R of the N KV slots SGLang reserved per request after its prefix. Then the
+  walk (greedy at T = 0, seeded lossless sampling at T > 0), the accepted rows' K/V moved to the front
   of the verify window (``glance_kernels.compact_kv``), the committed rows' tap features stashed, the bonus
   rows' entropies as the next lead entropies, the planner's feedback (acceptance and measured ms), and a
   ``GenerationBatchResult`` whose accept lengths include the bonus token (an AR step is a verify step with
   accept length 1; SGLang fills ``spec_verify_ct``, ``spec_accept_length``... in ``meta_info``).
 
-KV accounting does not depend on R: SGLang reserves at least ``N`` tokens of headroom per request for every speculative
-step (``eagle_prepare_for_decode``) and commits ``accept_lens`` tokens per step; the unused reserved slots stay
+KV accounting does not depend on R: SGLang reserves at least ``N`` tokens of headroom per request for every
+speculative step (``eagle_prepare_for_decode``) and commits ``accept_lens`` tokens per step; the unused reserved slots stay
 the request's until it finishes. The result's token rows keep the stride ``N`` whatever R was.
 """
 
@@ -335,8 +336,7 @@ class GlanceWorker(BaseSpecWorker):
     def _verify_pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
         """The target's TARGET_VERIFY pass over ``tree`` (``R`` rows per request, 1 <= R <= N): its K/V go to
         the first R of the N slots SGLang reserved after each prefix. Returns (result, logits [bs, R, V],
-        taps [bs, R, L*H]). An AR step is a 1-row verify too: on the CPU backend it measured faster than
-        SGLang's own DECODE forward of the same batch (11 vs 27 ms median, interleaved, loaded machine)."""
+        taps [bs, R, L*H])."""
         bs, rows = tree.tokens.shape
         vt = build_verify_input(tree, batch.seq_lens, seq_lens_cpu, batch.req_pool_indices,
                                 self.req_to_token_pool.req_to_token)
@@ -353,6 +353,44 @@ class GlanceWorker(BaseSpecWorker):
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)  # the walk syncs right after anyway; this times the pass
         return result, logits, taps
+
+    def _ar_pass(self, batch: ScheduleBatch, roots: torch.Tensor, pp_proxy_tensors):
+        """A plain AR step: SGLang's own DECODE forward of each root (at position ``seq_lens[b]``, its K/V into
+        the first slot SGLang reserved after the prefix), sampling skipped. For the forward the batch looks like
+        a non-speculative decode batch (lengths including the root, no spec input); restored afterwards.
+        Returns (result, logits [bs, 1, V], taps [bs, 1, L*H])."""
+        bs = roots.shape[0]
+        saved = (batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens, batch.seq_lens_sum, batch.spec_info)
+        seq_lens = batch.seq_lens
+        slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices.long(), seq_lens.long()]
+        batch.forward_mode = ForwardMode.DECODE
+        batch.input_ids = roots
+        batch.out_cache_loc = slots.to(torch.int64)
+        batch.seq_lens = seq_lens + 1
+        batch.seq_lens_cpu = None if saved[1] is None else saved[1] + 1
+        batch.orig_seq_lens = None if saved[2] is None else saved[2] + 1
+        batch.seq_lens_sum = None
+        batch.spec_info = None
+        try:
+            result = self.target_worker.forward_batch_generation(
+                batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True,
+                capture_hidden_mode=CaptureHiddenMode.FULL)
+        finally:
+            (batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens, batch.seq_lens_sum, batch.spec_info) = saved
+        out = result.logits_output
+        logits = out.next_token_logits.view(bs, 1, -1)
+        taps = self._taps(out.hidden_states).view(bs, 1, -1)
+        out.hidden_states = None
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        return result, logits, taps
+
+    def _pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
+        """The target pass of a step: SGLang's plain decode forward for a 1-row tree (an AR step; on the CPU
+        backend 8.5 vs 9.2 ms median for a 1-row TARGET_VERIFY, interleaved engines), else the tree verify."""
+        if tree.num_rows == 1:
+            return self._ar_pass(batch, tree.tokens[:, 0], pp_proxy_tensors)
+        return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
 
     def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         t_start = time.perf_counter()
@@ -387,7 +425,7 @@ class GlanceWorker(BaseSpecWorker):
         t1 = time.perf_counter()
         prof.mark("draft" if drafted else "no_draft")
 
-        result, logits, taps = self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
+        result, logits, taps = self._pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
         t2 = time.perf_counter()
         prof.mark(f"target[{tree.num_rows}]")
 
@@ -460,7 +498,7 @@ class GlanceWorker(BaseSpecWorker):
         cache = self.contexts.catch_up(rids)
 
         def run_verify(rows: int, batch_size: int) -> None:
-            self._verify_pass(batch, chain_of(roots, rows), seq_lens_cpu, pp_proxy_tensors)
+            self._pass(batch, chain_of(roots, rows), seq_lens_cpu, pp_proxy_tensors)
 
         def run_draft(batch_size: int) -> None:
             logits = self.drafter.draft_block(cache, roots)[:, : self.max_depth]
