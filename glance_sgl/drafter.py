@@ -247,24 +247,53 @@ class GlanceDrafter(nn.Module):
         b, t, _ = tap_hidden.shape
         counts = counts.to(cache.lengths.device)
         cache.reserve(int((cache.lengths + counts).max().item()))
-        ctx = self.project_context(tap_hidden)
-        offsets = torch.arange(t, device=ctx.device)
+        offsets = torch.arange(t, device=tap_hidden.device)
         positions = cache.lengths[:, None] + offsets[None, :]  # [B, T]
-        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
-        if b == 1 and not ctx.is_cuda:  # the embedded engine's case: one contiguous slice per layer
+        if b == 1 and not tap_hidden.is_cuda:  # the embedded engine's case: one contiguous slice per layer
             start, n = int(cache.lengths[0]), int(counts[0])
-            for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values):
-                k, v = layer.self_attn.key_values(ctx[:, :n], (rope[0][:, :, :n], rope[1][:, :, :n]))
+            keys, values = self.context_key_values(tap_hidden[:, :n], positions[:, :n])
+            for k, v, k_buf, v_buf in zip(keys, values, cache.keys, cache.values):
                 k_buf[:, :, start:start + n] = k.to(k_buf.dtype)
                 v_buf[:, :, start:start + n] = v.to(v_buf.dtype)
         else:
             rows, cols = torch.nonzero(offsets[None, :] < counts[:, None], as_tuple=True)
             dest = positions[rows, cols]
-            for layer, k_buf, v_buf in zip(self.layers, cache.keys, cache.values):
-                k, v = layer.self_attn.key_values(ctx, rope)
+            keys, values = self.context_key_values(tap_hidden, positions)
+            for k, v, k_buf, v_buf in zip(keys, values, cache.keys, cache.values):
                 k_buf[rows, :, dest] = k[rows, :, cols].to(k_buf.dtype)
                 v_buf[rows, :, dest] = v[rows, :, cols].to(v_buf.dtype)
         cache.lengths += counts
+
+    def _fused_kv_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's k_proj and v_proj stacked into one matrix [L*2*kv*d, H], and the k-norm weights [L, d];
+        rebuilt when a weight changes (training steps, ``.to()``)."""
+        params = [p for layer in self.layers for p in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+                                                       layer.self_attn.k_norm.weight)]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if getattr(self, "_fused_key", None) != key:
+            attn = [layer.self_attn for layer in self.layers]
+            self._fused = (torch.cat([w for a in attn for w in (a.k_proj.weight, a.v_proj.weight)]),
+                           torch.stack([a.k_norm.weight for a in attn]))
+            self._fused_key = key
+        return self._fused
+
+    def context_key_values(self, tap_hidden: torch.Tensor, positions: torch.Tensor
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Context K (normed, rotated) and V of every layer for tap features [B, T, L*H] at ``positions``
+        [B, T], in one projection: lists of [B, kv_heads, T, d] per layer (what ``key_values`` gives one layer
+        at a time)."""
+        cfg = self.config
+        ctx = self.project_context(tap_hidden)
+        b, t, _ = ctx.shape
+        n_layers, kvh, d = len(self.layers), cfg.num_key_value_heads, cfg.head_dim
+        weight, k_norm = self._fused_kv_weight()
+        kv = F.linear(ctx, weight).view(b, t, n_layers, 2, kvh, d).permute(2, 3, 0, 4, 1, 5)  # [L,2,B,kv,T,d]
+        k, v = kv[:, 0], kv[:, 1]
+        kf = k.float()
+        k = k_norm[:, None, None, None, :] * (kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+                                              ).to(k.dtype)
+        k = rotate(k, rope_tables(positions, d, cfg.rope_theta, k.dtype))
+        return list(k.unbind(0)), list(v.unbind(0))
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()

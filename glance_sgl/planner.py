@@ -43,7 +43,7 @@ ONLINE_RATE = 0.05  # weight of one timing observation in the cost model's overa
 SHAPE_RATE = 0.02  # ... and in the shape of its curves
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 64
 PROBE_BACKOFF = 4  # a failed probe waits this many times longer for the next (2, 8, 32, 64 rounds)
-TREND = 0.85  # decay per drafted round of a request's yield sums (its last several rounds dominate)
+TREND = 0.95  # decay per drafted round of a request's yield sums: ~20 rounds of memory (per-round acceptance is noisy)
 
 
 # ---------------------------------------------------------------------------------------------------- costs
@@ -276,19 +276,21 @@ class DepthCalibration:
 
 
 class EntropyTable:
-    """Accepted drafts per round by the round's lead entropy (decayed means per bin, with a prior).
+    """Accepted drafts per round by the round's lead entropy: decayed means per entropy bin, each shrunk towards
+    the decayed mean over all bins (worth ``shrink`` rounds), which starts from ``prior_mean`` (worth
+    ``prior_weight`` rounds).
 
-    The prior is an entropy law ``a = exp(b0 - b1 * H)`` (design §1) worth ``prior_weight`` rounds per bin.
+    Whether, and how, entropy predicts acceptance is learned, not assumed: a bin the engine has not drafted in yet
+    reads the overall mean, so a rarely visited entropy is never locked out of drafting by a prior.
     """
 
-    def __init__(self, max_accept: int, b0: float = 1.5, b1: float = 2.0, prior_weight: float = 2.0,
+    def __init__(self, max_accept: int, prior_mean: float = 2.0, prior_weight: float = 2.0, shrink: float = 3.0,
                  decay: float = 0.99) -> None:
-        mids = [ENTROPY_EDGES[0] / 2] + [(a + b) / 2 for a, b in zip(ENTROPY_EDGES, ENTROPY_EDGES[1:])] + \
-               [ENTROPY_EDGES[-1] * 1.3]
-        prior = [min(math.exp(b0 - b1 * h), max_accept) for h in mids]
-        self.weight = [prior_weight] * len(mids)
-        self.total = [p * prior_weight for p in prior]
-        self.decay = decay
+        n = len(ENTROPY_EDGES) + 1
+        self.weight = [0.0] * n
+        self.total = [0.0] * n
+        self.all_weight, self.all_total = prior_weight, min(prior_mean, max_accept) * prior_weight
+        self.shrink, self.decay = shrink, decay
 
     @staticmethod
     def bin(entropy: float) -> int:
@@ -296,24 +298,26 @@ class EntropyTable:
 
     def expected(self, entropy: float) -> float:
         i = self.bin(entropy)
-        return self.total[i] / self.weight[i]
+        overall = self.all_total / self.all_weight
+        return (self.total[i] + self.shrink * overall) / (self.weight[i] + self.shrink)
 
     def observe(self, entropy: float, accepted: float) -> None:
         i = self.bin(entropy)
         self.weight[i] = self.weight[i] * self.decay + 1.0
         self.total[i] = self.total[i] * self.decay + float(accepted)
+        self.all_weight = self.all_weight * self.decay + 1.0
+        self.all_total = self.all_total * self.decay + float(accepted)
 
 
 @dataclass
 class RequestPlanState:
     """What the planner keeps per request: its yield relative to predictions, and its probe back-off.
 
-    ``gate_ratio``: actual / entropy-table-predicted accepted drafts (decayed sums with a prior of one round at
-    1); ``tree_ratio``: the same against the tree-based prediction; ``ar_streak``: consecutive rounds without
+    ``gate_ratio``: actual / entropy-table-predicted accepted drafts (decayed sums with a weak prior of ratio 1); ``tree_ratio``: the same against the tree-based prediction; ``ar_streak``: consecutive rounds without
     drafting; ``probe_interval``: rounds without drafting before the next probe.
     """
 
-    gate_actual: float = 1.0
+    gate_actual: float = 1.0  # a weak prior of ratio 1: one failure on an unfamiliar input stops drafting
     gate_pred: float = 1.0
     tree_actual: float = 1.0
     tree_pred: float = 1.0

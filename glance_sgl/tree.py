@@ -136,6 +136,21 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     Both accept rows in any order.
     """
     bs, r = parents.shape
+    if r <= SQUARING_MAX_ROWS and parents.device.type == "cpu":
+        # on the host, one pass over plain lists (parents precede children in a packed tree; otherwise fall
+        # through) is cheaper than a dozen tiny tensor ops
+        rows = []
+        for par in parents.tolist():
+            if any(p >= i for i, p in enumerate(par)):
+                break
+            mask: list[list[bool]] = []
+            for i, p in enumerate(par):
+                row = mask[p].copy() if p >= 0 else [False] * r
+                row[i] = True
+                mask.append(row)
+            rows.append(mask)
+        else:
+            return torch.tensor(rows, dtype=torch.bool)
     if r <= SQUARING_MAX_ROWS:
         reach = torch.eye(r, dtype=torch.float32, device=parents.device).expand(bs, r, r).clone()
         batch, rows = (parents >= 0).nonzero(as_tuple=True)

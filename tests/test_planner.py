@@ -165,12 +165,15 @@ def test_gate_keeps_drafting_where_it_pays_and_a_probe_that_pays_resets_the_back
     assert st.ar_streak == 0 and st.probe_interval == 2
 
 
-def test_entropy_table_prior_and_updates():
+def test_entropy_table_learns_per_bin_and_shrinks_unvisited_bins_to_the_mean():
     table = EntropyTable(max_accept=15)
-    assert table.expected(0.0) > table.expected(1.0) > table.expected(5.0)
+    assert table.expected(0.0) == table.expected(5.0) == pytest.approx(2.0)  # the prior: no entropy assumed
     for _ in range(300):
-        table.observe(0.3, 9.0)
-    assert table.expected(0.3) == pytest.approx(9.0, rel=0.05)
+        table.observe(0.03, 9.0)
+        table.observe(2.0, 1.0)
+    assert table.expected(0.03) == pytest.approx(9.0, rel=0.05)
+    assert table.expected(2.0) == pytest.approx(1.0, rel=0.15)  # a little of the overall mean stays
+    assert table.expected(0.5) == pytest.approx(5.0, rel=0.05)  # never seen: the overall mean
 
 
 def test_fixed_tree_walk_feedback_runs_on_a_real_walk():
