@@ -438,7 +438,10 @@ class Planner:
         else:
             draft = self.costs.draft_ms(bs) + self.costs.overhead_ms
             rates = [per_n[n] / (draft + self.costs.verify_ms(n + 1, bs)) for n in range(limit + 1)]
-            n = max(range(limit + 1), key=rates.__getitem__)
+            # the smallest tree within 2 % of the best: deep nodes' predictions are the least certain, and a
+            # flat stretch of the curve is no reason to pay for more rows
+            best = max(rates)
+            n = next(i for i, rate in enumerate(rates) if rate >= best / self.margin)
         for r in rids:
             self.state(r).last_nodes = n
         return Plan(n, curve[:, n].tolist(), self.costs.round_ms(n, bs), raw_accept=raw[:, n].tolist())
