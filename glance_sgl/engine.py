@@ -24,9 +24,9 @@ import torch
 
 from .drafter import DrafterCache, GlanceDrafter, draft_logprobs
 from .metrics import RequestMetrics, entropy_nats
-from .planner import (PLANNER_MODES, CostModel, Plan, Planner, PlannerMode, calibrate, cost_key, default_row_grid,
-                      load_costs, save_costs)
-from .target import PreparedPrompt, TargetAdapter, TargetError, TargetState
+from .planner import (PLANNER_MODES, CostModel, Planner, PlannerMode, calibrate, cost_key, default_row_grid, load_costs,
+                      save_costs)
+from .target import PreparedPrompt, RowsOutput, TargetAdapter, TargetError, TargetState
 from .tree import DraftTree, build_tree, chain_tree, max_tree_size, topk_per_offset
 from .verify import SamplingSpec, target_choices, verify_tree
 
@@ -328,8 +328,6 @@ class GlanceEngine:
             raise RequestError(f"mode {mode!r} needs a drafter; this engine has none")
         if mode not in ("glance", "chain", "ar"):
             raise RequestError(f"unknown decoding mode {mode!r}")
-        if planner is not None and planner not in PLANNER_MODES and planner not in self._planners:
-            raise RequestError(f"planner must be one of {PLANNER_MODES}, got {planner!r}", param="planner")
         if planner is not None and mode != "glance":
             raise RequestError(f"a planner applies to mode 'glance' only, not {mode!r}", param="planner")
         with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
@@ -464,12 +462,9 @@ class GlanceEngine:
         if planner is not None and not planner.gate(rid, lead):
             plan = planner.skip(rid)
             t0 = time.perf_counter()
-            zero = torch.zeros(1, dtype=torch.long)
-            rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
-                                            torch.ones(1, 1, dtype=torch.bool), taps=taps)
+            token, rows = self._ar_pass(state, committed, spec, taps)
             planner.costs.observe_verify(1, 1, (time.perf_counter() - t0) * 1000.0)
             draft.stash.append(rows.taps)
-            token = int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0])
             draft.lead_entropy = entropy = entropy_nats(rows.logits[0])
             return [token], RoundRecord(0, 0, entropy, plan.expected_tokens[0], drafter_ran=False)
 
@@ -513,10 +508,15 @@ class GlanceEngine:
 
     def ar_step(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> list[int]:
         """One autoregressive step: the last committed token through the target, one new token out."""
+        return [self._ar_pass(state, committed, spec)[0]]
+
+    def _ar_pass(self, state: TargetState, committed: list[int], spec: SamplingSpec,
+                 taps: list[int] | None = None) -> tuple[int, RowsOutput]:
+        """The last committed token through the target (capturing ``taps``): the next token and the row."""
         zero = torch.zeros(1, dtype=torch.long)
         rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
-                                        torch.ones(1, 1, dtype=torch.bool))
-        return [int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0])]
+                                        torch.ones(1, 1, dtype=torch.bool), taps=taps)
+        return int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0]), rows
 
 
 def default_max_nodes(budget: int, block_size: int, branch_k: int) -> int:

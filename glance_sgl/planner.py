@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Literal, Sequence
@@ -146,8 +147,6 @@ def default_row_grid(max_rows: int) -> list[int]:
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
-    import time
-
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1000.0
@@ -264,7 +263,8 @@ class DepthCalibration:
         on_path.scatter_(1, torch.where(rows >= 0, rows, r), True)
         on_path = on_path[:, :r]
         parent_on_path = on_path.gather(1, parents.clamp(min=0)) & (parents >= 0)
-        # a parent on the path that is the path's last node: its children were the walk's chance to go on
+        # children of a path node (one per reached depth): the drafter's chances, given their parent, that the
+        # walk goes on through them
         cond = torch.exp(scores.float() - scores.float().gather(1, parents.clamp(min=0))) * parent_on_path
         pred = torch.zeros(bs, self.max_depth + 2, dtype=torch.float64, device=dev)
         pred.scatter_add_(1, depths.clamp(max=self.max_depth + 1), cond.double())
@@ -313,7 +313,8 @@ class EntropyTable:
 class RequestPlanState:
     """What the planner keeps per request: its yield relative to predictions, and its probe back-off.
 
-    ``gate_ratio``: actual / entropy-table-predicted accepted drafts (decayed sums with a weak prior of ratio 1); ``tree_ratio``: the same against the tree-based prediction; ``ar_streak``: consecutive rounds without
+    ``gate_ratio``: actual / entropy-table-predicted accepted drafts (decayed sums with a weak prior of ratio 1);
+    ``tree_ratio``: the same against the tree-based prediction; ``ar_streak``: consecutive rounds without
     drafting; ``probe_interval``: rounds without drafting before the next probe.
     """
 
@@ -337,12 +338,11 @@ class RequestPlanState:
 # ---------------------------------------------------------------------------------------------------- policy
 @dataclass
 class Plan:
-    """The planner's pick for one batch: ``nodes`` per request (0 = a plain AR step), what it expects to commit
-    per request (``expected_tokens``, bonus included) and what the round should cost (``expected_ms``)."""
+    """The planner's pick for one batch: ``nodes`` per request (0 = a plain AR step) and what it expects to commit
+    per request (``expected_tokens``, bonus included)."""
 
     nodes: int
     expected_tokens: list[float]
-    expected_ms: float
     drafted: bool = True
     raw_accept: list[float] = field(default_factory=list)  # tree-predicted accepted drafts before tree_ratio
 
@@ -409,7 +409,7 @@ class Planner:
         for r in rids:
             self.state(r).ar_streak += 1
         bs = len(rids)
-        return Plan(0, [1.0] * bs, self.costs.ar_ms(bs), drafted=False)
+        return Plan(0, [1.0] * bs, drafted=False)
 
     # ------------------------------------------------------------ step 2: how many nodes
     def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -418,12 +418,6 @@ class Planner:
         probs = self.depth.node_probs(scores, depths)
         probs[:, 0] = 0.0
         return torch.cumsum(probs, dim=1)
-
-    def expected_curve(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """[B, R] expected committed tokens (bonus included) of budget n = 0 .. R-1, with each request's own
-        yield against the drafter's predictions applied."""
-        ratio = torch.tensor([self.state(r).tree_ratio for r in rids], dtype=torch.float32, device=scores.device)
-        return 1.0 + self.expected_accept(scores, depths) * ratio[:, None]
 
     def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor) -> Plan:
         """The tree size for this batch after the drafter pass (the same for every request of the batch)."""
@@ -444,7 +438,7 @@ class Planner:
             n = next(i for i, rate in enumerate(rates) if rate >= best / self.margin)
         for r in rids:
             self.state(r).last_nodes = n
-        return Plan(n, curve[:, n].tolist(), self.costs.round_ms(n, bs), raw_accept=raw[:, n].tolist())
+        return Plan(n, curve[:, n].tolist(), raw_accept=raw[:, n].tolist())
 
     # ------------------------------------------------------------ step 3: feedback
     def observe(self, rids: Sequence[object], plan: Plan, lead_entropies: Sequence[float | None],
@@ -497,9 +491,8 @@ class RandomPlanner(Planner):
         raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1])[:, n]
         for r in rids:
             self.state(r).last_nodes = n
-        return Plan(n, [1.0 + float(a) for a in raw.tolist()], self.costs.round_ms(n, len(rids)),
-                    raw_accept=raw.tolist())
+        return Plan(n, [1.0 + float(a) for a in raw.tolist()], raw_accept=raw.tolist())
 
 
-__all__ = ["CostModel", "Planner", "RandomPlanner", "Plan", "PlannerMode", "PLANNER_MODES", "calibrate", "cost_key", "load_costs",
-           "save_costs", "default_row_grid", "DepthCalibration", "EntropyTable", "RequestPlanState"]
+__all__ = ["CostModel", "Planner", "RandomPlanner", "Plan", "PlannerMode", "PLANNER_MODES", "calibrate", "cost_key",
+           "load_costs", "save_costs", "default_row_grid", "DepthCalibration", "EntropyTable", "RequestPlanState"]
