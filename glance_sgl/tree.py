@@ -131,26 +131,15 @@ SQUARING_MAX_ROWS = 64  # above this, R^3 matmuls cost more than one scatter per
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, R] parent rows -> bool [B, R, R]; ``mask[b, i, j]`` is True iff row j is row i or an ancestor of it.
 
-    Small trees (the per-round case): reachability by repeated squaring of ``I + parent one-hot``
-    (ceil(log2 R) tiny matmuls). Large trees: walk up one level at a time (one scatter + gather per level).
-    Both accept rows in any order.
+    Small packed trees on the host (the per-round case): one pass over plain lists. Other small trees:
+    reachability by repeated squaring of ``I + parent one-hot`` (ceil(log2 R) tiny matmuls). Large trees: walk up
+    one level at a time (one scatter + gather per level). The last two accept rows in any order.
     """
     bs, r = parents.shape
     if r <= SQUARING_MAX_ROWS and parents.device.type == "cpu":
-        # on the host, one pass over plain lists (parents precede children in a packed tree; otherwise fall
-        # through) is cheaper than a dozen tiny tensor ops
-        rows = []
-        for par in parents.tolist():
-            if any(p >= i for i, p in enumerate(par)):
-                break
-            mask: list[list[bool]] = []
-            for i, p in enumerate(par):
-                row = mask[p].copy() if p >= 0 else [False] * r
-                row[i] = True
-                mask.append(row)
-            rows.append(mask)
-        else:
-            return torch.tensor(rows, dtype=torch.bool)
+        packed = parents.tolist()
+        if all(p < i for par in packed for i, p in enumerate(par)):  # parents precede children
+            return torch.tensor([_ancestor_rows(par) for par in packed], dtype=torch.bool)
     if r <= SQUARING_MAX_ROWS:
         reach = torch.eye(r, dtype=torch.float32, device=parents.device).expand(bs, r, r).clone()
         batch, rows = (parents >= 0).nonzero(as_tuple=True)
@@ -167,6 +156,17 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
         mask.scatter_(2, torch.where(cur >= 0, cur, r)[..., None], True)
         cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), cur)
     return mask[..., :r]
+
+
+def _ancestor_rows(parents: list[int]) -> list[list[bool]]:
+    """One packed tree's ancestor mask as plain lists (every parent row before its children): on the host this
+    one pass is cheaper than a dozen tiny tensor ops."""
+    mask: list[list[bool]] = []
+    for i, p in enumerate(parents):
+        row = mask[p].copy() if p >= 0 else [False] * len(parents)
+        row[i] = True
+        mask.append(row)
+    return mask
 
 
 def tree_pointers(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
