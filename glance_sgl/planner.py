@@ -43,7 +43,12 @@ ENTROPY_EDGES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 1.6, 2.5)
 ONLINE_RATE = 0.05  # weight of one timing observation in the cost model's overall scale
 SHAPE_RATE = 0.02  # ... and in the shape of its curves
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 64
-PROBE_BACKOFF = 4  # a failed probe waits this many times longer for the next (2, 8, 32, 64 rounds)
+PROBE_BACKOFF = 4  # a failed probe waits this many times longer for the next (2, 8, 32, 64 rounds) ...
+PROBE_BACKOFF_FAST = 16  # ... or this many, while probes across requests rarely pay (2, 32, 64 rounds)
+PROBE_RARE = 0.25  # "rarely": the decayed share of probes that paid, over all requests, below this
+PROBE_DECAY = 0.9  # memory of that share: ~10 probes
+START_DECAY = 0.8  # memory of how requests' first drafting rounds went: ~5 requests
+START_HOLD = 8  # while first rounds rarely pay, a new request's first probe waits this many rounds
 TREND = 0.95  # decay per drafted round of a request's yield sums: ~20 rounds of memory (per-round acceptance is noisy)
 
 
@@ -315,7 +320,10 @@ class RequestPlanState:
 
     ``gate_ratio``: actual / entropy-table-predicted accepted drafts (decayed sums with a weak prior of ratio 1);
     ``tree_ratio``: the same against the tree-based prediction; ``ar_streak``: consecutive rounds without
-    drafting; ``probe_interval``: rounds without drafting before the next probe.
+    drafting; ``probe_interval``: rounds without drafting before the next probe; ``drafted_rounds``: rounds
+    that ran the drafter (a request's first one is a probe too: nothing is known about it yet); ``hold``: AR
+    rounds before the first drafting round (set at the request's start from how recent requests' first rounds
+    went).
     """
 
     gate_actual: float = 1.0  # a weak prior of ratio 1: one failure on an unfamiliar input stops drafting
@@ -325,10 +333,18 @@ class RequestPlanState:
     ar_streak: int = 0
     probe_interval: int = MIN_PROBE_INTERVAL
     last_nodes: int = -1
+    drafted_rounds: int = 0
+    hold: int = 0
 
     @property
     def gate_ratio(self) -> float:
         return self.gate_actual / self.gate_pred
+
+    @property
+    def probe_due(self) -> bool:
+        """Whether enough AR rounds have passed for a probe (the first one waits ``hold`` rounds at least)."""
+        wait = max(self.probe_interval, self.hold) if self.drafted_rounds == 0 else self.probe_interval
+        return self.ar_streak >= wait
 
     @property
     def tree_ratio(self) -> float:
@@ -364,6 +380,12 @@ class Planner:
     depth: DepthCalibration = field(init=False)
     entropy: EntropyTable = field(init=False)
     requests: dict[object, RequestPlanState] = field(default_factory=dict)
+    # decayed counts over all requests of probes that paid and of all probes (a prior of one paying probe in two)
+    probes_paid: float = 1.0
+    probes: float = 2.0
+    # ... and of requests' first drafting rounds (a prior of one that paid)
+    starts_paid: float = 1.0
+    starts: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
@@ -376,7 +398,8 @@ class Planner:
     def state(self, rid: object) -> RequestPlanState:
         st = self.requests.get(rid)
         if st is None:
-            st = self.requests[rid] = RequestPlanState()
+            hold = START_HOLD if self.starts_paid / self.starts < PROBE_RARE else 0
+            st = self.requests[rid] = RequestPlanState(hold=hold)
         return st
 
     def forget(self, rid: object) -> None:
@@ -394,8 +417,10 @@ class Planner:
             return True
         bs = len(rids)
         states = [self.state(r) for r in rids]
-        if any(st.ar_streak >= st.probe_interval for st in states):
+        if any(st.probe_due for st in states):
             return True  # a probe: one request's drafting may pay again; the tree size still gets chosen
+        if all(st.drafted_rounds == 0 and st.ar_streak < st.hold for st in states):
+            return False  # new requests while first rounds rarely pay: AR until their first probe
         expected = sum(1.0 + self.predicted_accept(r, h) for r, h in zip(rids, lead_entropies))
         # the round's cost at the tree the batch last chose (the fixed budget when none or larger)
         last = max((st.last_nodes for st in states), default=-1)
@@ -465,11 +490,30 @@ class Planner:
             st.gate_pred = TREND * st.gate_pred + table
             # did drafting pay for this request (its share of the batch's round against its share of AR)?
             paid = (1.0 + a) / round_ms > self.margin / ar_ms
-            if paid:
+            if st.drafted_rounds == 0:
+                self.starts = START_DECAY * self.starts + 1.0
+                self.starts_paid = START_DECAY * self.starts_paid + float(paid)
+            if st.drafted_rounds == 0 or st.probe_due:
+                self._probed(st, paid)
+            elif paid:
                 st.probe_interval = MIN_PROBE_INTERVAL
-            elif st.ar_streak >= st.probe_interval:  # a failed probe: wait longer for the next
-                st.probe_interval = min(PROBE_BACKOFF * st.probe_interval, MAX_PROBE_INTERVAL)
+            st.drafted_rounds += 1
             st.ar_streak = 0
+
+    def probe_success(self) -> float:
+        """The decayed share of probes (first rounds included) that paid, over all requests."""
+        return self.probes_paid / self.probes
+
+    def _probed(self, st: RequestPlanState, paid: bool) -> None:
+        """A probe's outcome: back to drafting, or a longer wait for the next probe. Where probes rarely pay
+        (traffic the drafter does not know) the wait grows faster, so probes do not eat what AR rounds save."""
+        self.probes = PROBE_DECAY * self.probes + 1.0
+        self.probes_paid = PROBE_DECAY * self.probes_paid + float(paid)
+        if paid:
+            st.probe_interval = MIN_PROBE_INTERVAL
+        else:
+            backoff = PROBE_BACKOFF_FAST if self.probe_success() < PROBE_RARE else PROBE_BACKOFF
+            st.probe_interval = min(backoff * st.probe_interval, MAX_PROBE_INTERVAL)
 
 
 class RandomPlanner(Planner):

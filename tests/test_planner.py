@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from glance_sgl.planner import (MAX_PROBE_INTERVAL, CostModel, DepthCalibration, EntropyTable, Planner, calibrate,
+from glance_sgl.planner import (MAX_PROBE_INTERVAL, START_HOLD, CostModel, DepthCalibration, EntropyTable, Planner, calibrate,
                                 cost_key, default_row_grid, load_costs, save_costs)
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, verify_tree
@@ -148,6 +148,38 @@ def test_gate_stops_drafting_for_a_request_that_never_accepts_and_probes_with_ba
     assert fresh[-1] and not fresh[0]
     planner.forget("wild")
     assert "wild" not in planner.requests
+
+
+def drafted_steps(planner: Planner, rid: str, tree: DraftTree, accepted: int, steps: int) -> list[int]:
+    """Run ``steps`` rounds of request ``rid`` whose drafts always get ``accepted`` drafts; the drafted steps."""
+    drafted = []
+    for step in range(steps):
+        if planner.gate([rid], [0.5]):
+            drafted.append(step)
+            plan = planner.choose([rid], tree.scores, tree.depths)
+            planner.observe([rid], plan, [0.5], [min(accepted, plan.nodes)], tree.prefix(plan.nodes + 1), None)
+        else:
+            planner.skip([rid])
+    planner.forget(rid)
+    return drafted
+
+
+def test_where_probes_rarely_pay_new_requests_wait_before_drafting_and_back_off_faster():
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+    tree = random_tree(6, 15, sharp=8.0)
+    first = drafted_steps(planner, "wild0", tree, accepted=0, steps=40)
+    # nothing known yet: draft at once; that first round is a probe, so its failure backs off (8 AR rounds)
+    assert first[:2] == [0, 9]
+    for i in range(1, 6):  # a run of requests the drafter does not know
+        drafted = drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
+    assert planner.probe_success() < 0.25
+    assert drafted and drafted[0] == START_HOLD  # the first probe waits ...
+    assert len(drafted) == 2 and drafted[1] - drafted[0] > 16  # ... and a failed one waits long for the next
+    # a request the drafter knows: its first probe pays, drafting goes on every round, and the next new request
+    # drafts at once again
+    known = drafted_steps(planner, "doc", tree, accepted=6, steps=30)
+    assert known == list(range(START_HOLD, 30))
+    assert drafted_steps(planner, "doc2", tree, accepted=6, steps=5) == list(range(5))
 
 
 def test_gate_keeps_drafting_where_it_pays_and_a_probe_that_pays_resets_the_back_off():
