@@ -297,18 +297,20 @@ class GlanceDrafter(nn.Module):
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()
-    def draft_block(self, cache: DrafterCache, root_tokens: torch.Tensor) -> torch.Tensor:
+    def draft_block(self, cache: DrafterCache, root_tokens: torch.Tensor, context_len: int | None = None
+                    ) -> torch.Tensor:
         """One forward pass for the block ``[root, MASK x (B-1)]`` of every request.
 
         ``root_tokens``: [B] (the last committed token, whose context features are not in the cache yet);
-        the block sits at positions ``cache.lengths[b] .. + block_size - 1``.
+        the block sits at positions ``cache.lengths[b] .. + block_size - 1``. ``context_len``: the longest context
+        (``cache.lengths.max()``) when the caller knows it on the host, so the pass needs no device sync.
         Returns draft logits [B, block_size - 1, V] for offsets 1..block_size-1.
         """
         bs, blk = root_tokens.shape[0], self.config.block_size
         block = torch.full((bs, blk), self.config.mask_token_id, dtype=torch.long, device=root_tokens.device)
         block[:, 0] = root_tokens
         positions = cache.lengths[:, None] + torch.arange(blk, device=root_tokens.device)[None, :]
-        c = int(cache.lengths.max().item())
+        c = int(cache.lengths.max().item()) if context_len is None else context_len
         mask = None  # one request (or equal lengths): every block token sees the whole context and block
         if bs > 1:
             ctx_valid = torch.arange(c, device=root_tokens.device)[None, :] < cache.lengths[:, None]  # [B, C]

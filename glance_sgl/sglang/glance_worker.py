@@ -3,22 +3,22 @@
 Per batch it does what ``glance_sgl.engine.GlanceEngine.speculative_round`` does per request, calling the same
 algorithm (``glance_sgl.drafter`` / ``tree`` / ``verify`` and ``glance_kernels``):
 
-- extend (prefill, chunked or not): the target's forward with its tap layers captured (SGLang's aux
-  hidden-state capture, ``set_eagle3_layers_to_capture``); every prompt token's tap features go into the
-  request's drafter context (KV injection, ``draft_context.DraftContexts``), and the entropy of the row that
-  produced the first token becomes the request's lead entropy;
+- extend (prefill, chunked or not, after a radix-cache prefix hit or not): the target's forward with its tap
+  layers captured (SGLang's aux hidden-state capture, ``set_eagle3_layers_to_capture``); every extended token's
+  draft K/V (projected from its tap features: KV injection) go into the draft KV pool at the token's slot
+  (``draft_pool.DraftKVPool``: one slot per SGLang token slot, so cached prefixes come with theirs), and the
+  entropy of the row that produced the first token becomes the request's lead entropy;
 - decode step, planned per batch by ``glance_sgl.planner`` (``GLANCE_PLANNER``: auto / fixed, see
   ``planning.py``): ``planner.gate`` decides from the lead entropies whether the batch drafts at all. If it
-  drafts: the drafter contexts catch up (ONE batched ``extend_context`` over the tap features stashed since the
-  last drafter pass), one drafter pass for every request's block ``[root, MASK x (B-1)]``, the best-first tree
-  at the full budget (``N - 1`` nodes, ``N = --speculative-num-draft-tokens``), and ``planner.choose`` keeps its
-  first ``nodes + 1`` rows (0 nodes: the root alone). If not: a plain AR step, SGLang's own DECODE forward of
-  the root (the batch shown to it as a non-speculative decode batch for that forward). A tree of R > 1 rows
+  drafts: the batch's drafter context is gathered from the draft KV pool through ``req_to_token``, one drafter
+  pass for every request's block ``[root, MASK x (B-1)]``, the best-first tree at the full budget (``N - 1``
+  nodes, ``N = --speculative-num-draft-tokens``), and ``planner.choose`` keeps its first ``nodes + 1`` rows
+  (0 nodes: the root alone). If not: a plain AR step, SGLang's own DECODE forward of the root (the batch shown to it as a non-speculative decode batch for that forward). A tree of R > 1 rows
   gets the TARGET_VERIFY input (FULL mask, positions ``prefix + depth``; SGLang adds the M-RoPE delta); either
   way the pass writes the first R of the N KV slots SGLang reserved per request after its prefix. Then the
   walk (greedy at T = 0, seeded lossless sampling at T > 0), the accepted rows' K/V moved to the front
-  of the verify window (``glance_kernels.compact_kv``), the committed rows' tap features stashed, the bonus
-  rows' entropies as the next lead entropies, the planner's feedback (acceptance and measured ms), and a
+  of the verify window (``glance_kernels.compact_kv``), the committed rows' draft K/V written at those slots,
+  the bonus rows' entropies as the next lead entropies, the planner's feedback (acceptance and measured ms), and a
   ``GenerationBatchResult`` whose accept lengths include the bonus token (an AR step is a verify step with
   accept length 1; SGLang fills ``spec_verify_ct``, ``spec_accept_length``... in ``meta_info``).
 
@@ -50,7 +50,7 @@ from glance_sgl.planner import calibrate, cost_key, default_row_grid, save_costs
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
-from .draft_context import DraftContexts
+from .draft_pool import DraftKVPool, committed_slots
 from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceVerifyInput, build_verify_input
 from .planning import BatchCostModel, load_batch_costs, make_planner, planner_mode_from_env
@@ -174,7 +174,9 @@ class GlanceWorker(BaseSpecWorker):
         self._tap_order = None if captured == taps else torch.tensor([captured.index(t) for t in taps])
         self._hidden = int(text_cfg.hidden_size)
         self.block_size = cfg.block_size
-        self.contexts = DraftContexts(self.drafter)
+        self.draft_pool: DraftKVPool | None = None  # allocated with SGLang's pools (alloc_memory_pool)
+        # per live request: the entropy (nats) of the target distribution that produced its newest token
+        self.lead: dict[str, float | None] = {}
         self._profile = os.environ.get("GLANCE_SGL_PROFILE", "") not in ("", "0")
         self.planner_mode, seed = planner_mode_from_env()
         key = cost_key("sglang", str(self.device), torch.cuda.get_device_name(self.device) if self.device_is_cuda
@@ -197,7 +199,13 @@ class GlanceWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------ BaseSpecWorker plumbing
     def alloc_memory_pool(self, **kwargs):
+        """SGLang's pools are the target's; the draft KV pool gets exactly the target pool's token slots (its
+        bytes were budgeted with the target's: ``draft_pool.install_memory_accounting``)."""
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+        slots = self.token_to_kv_pool_allocator.get_kvcache().k_buffer[0].shape[0]
+        self.draft_pool = DraftKVPool(self.drafter, slots, self.device, self.model_runner.dtype)
+        logger.info("GLANCE draft KV pool allocated: #tokens %d, %d layers, K+V size %.2f GB", slots - 1,
+                    self.drafter.config.num_hidden_layers, self.draft_pool.nbytes / (1 << 30))
 
     @property
     def target_worker(self) -> TpModelWorker:
@@ -208,21 +216,24 @@ class GlanceWorker(BaseSpecWorker):
         return None  # the drafter runs inside this worker; it has no ModelRunner of its own
 
     def clear_cache_pool(self):
-        self.contexts.clear()
+        self.lead.clear()  # the draft K/V live in SGLang's slots: freeing the slots frees them
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
-        self.contexts.drop(rid)
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self.lead.pop(rid, None)
         self.planner.forget(rid)
 
     def _purge(self, live: set[str]) -> None:
-        gone = [r for r, st in self.contexts.states.items() if r not in live and st.req.finished()]
-        for rid in gone:
-            self.contexts.drop(rid)
-            self.planner.forget(rid)
+        """Per-request host state of requests no longer scheduled (finished or aborted without a notice)."""
+        for rid in [r for r in self.lead if r not in live]:
+            self._forget(rid)
 
     @property
     def num_drafter_states(self) -> int:
-        return len(self.contexts)
+        """Requests with per-request state in the worker (a lead entropy and the planner's state)."""
+        return len(self.lead)
 
     # ------------------------------------------------------------------ the step
     def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
@@ -246,8 +257,7 @@ class GlanceWorker(BaseSpecWorker):
         predict = result.next_token_ids
         if predict is not None and bs > 0 and batch.forward_mode.is_extend():
             if logits_output.next_token_logits is not None:
-                self.contexts.set_lead_entropies([r.rid for r in batch.reqs],
-                                                 _prefill_entropies(logits_output.next_token_logits))
+                self.lead.update(zip([r.rid for r in batch.reqs], _prefill_entropies(logits_output.next_token_logits)))
             predict = self._first_tokens(batch, logits_output, predict)
         new_seq_lens = batch.seq_lens.clone()
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
@@ -303,18 +313,15 @@ class GlanceWorker(BaseSpecWorker):
         return packed.view(t, -1, self._hidden)[:, self._tap_order.to(packed.device)].reshape(t, -1)
 
     def _feed_prompt(self, batch: ScheduleBatch, taps: torch.Tensor) -> None:
-        """Append every extended token's tap features to its request's drafter cache."""
+        """Write every extended token's draft K/V at its slot (``batch.out_cache_loc``, where the target's K/V of
+        the token went). Tokens of a radix-cache prefix hit already have theirs: whoever computed the prefix
+        wrote them."""
         lens = list(batch.extend_lens)
-        prefix = list(batch.prefix_lens)
         if taps is None or taps.shape[0] != sum(lens):
             raise RuntimeError(f"GLANCE: expected tap features for {sum(lens)} extend tokens, got "
                                f"{None if taps is None else tuple(taps.shape)}")
-        start = 0
-        for req, n, pre in zip(batch.reqs, lens, prefix):
-            if req.rid not in self.contexts or pre == 0:  # a new request, or one re-prefilled after retraction
-                self.contexts.start(req, capacity=max(256, 2 * (pre + n)))
-            self.contexts.extend_own(req.rid, taps[start:start + n])
-            start += n
+        positions = torch.cat([torch.arange(pre, pre + n) for pre, n in zip(batch.prefix_lens, lens)])
+        self.draft_pool.write(batch.out_cache_loc, taps, positions.to(taps.device))
 
     # ------------------------------------------------------------------ decode: draft (or not), verify, commit
     def _roots(self, batch: ScheduleBatch) -> torch.Tensor:
@@ -322,11 +329,16 @@ class GlanceWorker(BaseSpecWorker):
         return torch.tensor([req.output_ids[-1] if len(req.output_ids) else req.origin_input_ids[-1]
                              for req in batch.reqs], dtype=torch.long, device=self.device)
 
-    def draft_trees(self, rids: list[str], roots: torch.Tensor) -> DraftTree:
-        """Catch the batch's drafter contexts up (one extend call), one drafter pass for every request's block,
-        and the best-first trees at the largest budget (the embedded engine's draft_tree)."""
-        cache = self.contexts.catch_up(rids)
-        logits = self.drafter.draft_block(cache, roots)[:, : self.max_depth]
+    def draft_context(self, batch: ScheduleBatch, seq_lens_cpu: list[int]):
+        """The batch's drafter context, gathered from the draft KV pool: every token before the root."""
+        return self.draft_pool.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                      max(seq_lens_cpu))
+
+    def draft_trees(self, batch: ScheduleBatch, seq_lens_cpu: list[int], roots: torch.Tensor) -> DraftTree:
+        """One drafter pass for every request's block over its context in the draft KV pool, and the best-first
+        trees at the largest budget (the embedded engine's draft_tree)."""
+        cache = self.draft_context(batch, seq_lens_cpu)
+        logits = self.drafter.draft_block(cache, roots, context_len=max(seq_lens_cpu))[:, : self.max_depth]
         values, ids = topk_per_offset(draft_logprobs(logits), self.branch_k)
         if roots.is_cuda:  # the same tree built on device (Triton), no host round trip
             t = glance_kernels.budget_tree(values, ids, roots, self.budget)
@@ -397,9 +409,6 @@ class GlanceWorker(BaseSpecWorker):
         prof = _Profile(self._profile)
         bs = len(batch.reqs)
         rids = [req.rid for req in batch.reqs]
-        missing = [r for r in rids if r not in self.contexts]
-        if missing:
-            raise RuntimeError(f"GLANCE: no drafter context for requests {missing} (prefix cache hit?)")
         if self._last_decode_end is not None:  # the scheduler's time since the previous decode step
             gap_ms = 1000 * (t_start - self._last_decode_end)
             self.planner.costs.observe_step(bs, gap_ms + self._last_ar_host_ms)
@@ -411,12 +420,12 @@ class GlanceWorker(BaseSpecWorker):
         if self._maybe_calibrate(batch, rids, roots, seq_lens_cpu, pp_proxy_tensors):
             t_start = time.perf_counter()  # the calibration is not this step's host work
             prof = _Profile(self._profile)
-        lead = self.contexts.lead_entropies(rids)
+        lead = [self.lead.get(r) for r in rids]
 
         t0 = time.perf_counter()
         drafted = self.planner.gate(rids, lead)
         if drafted:
-            full = self.draft_trees(rids, roots)
+            full = self.draft_trees(batch, seq_lens_cpu, roots)
             plan = self.planner.choose(rids, full.scores, full.depths)
             tree = full.prefix(plan.nodes + 1)
         else:
@@ -443,12 +452,10 @@ class GlanceWorker(BaseSpecWorker):
             glance_kernels.compact_kv(list(kv.k_buffer) + list(kv.v_buffer),
                                       self.req_to_token_pool.req_to_token[batch.req_pool_indices.long()], 1,
                                       seq_lens.long(), walk.accepted_rows.to(self.device))
-        counts = (accepted + 1).tolist()
-        self.contexts.stash(rids, taps, walk.accepted_rows, counts)
+        self._write_committed(batch, taps, walk.accepted_rows, accepted + 1)
         # the next round's lead entropies: the rows whose target distribution produced the bonus tokens
         last = walk.accepted_rows.gather(1, accepted[:, None]).squeeze(1)
-        new_lead = entropies_nats(host_logits[torch.arange(bs), last])
-        self.contexts.set_lead_entropies(rids, new_lead)
+        self.lead.update(zip(rids, entropies_nats(host_logits[torch.arange(bs), last])))
         self.planner.observe(rids, plan, lead, accepted.tolist(), tree if drafted else None,
                              walk if drafted else None)
         prof.mark("kv+stash+plan")
@@ -480,6 +487,18 @@ class GlanceWorker(BaseSpecWorker):
         return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens, new_seq_lens,
                             on_publish)
 
+    def _write_committed(self, batch: ScheduleBatch, taps: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor
+                         ) -> None:
+        """Draft K/V of the rows a step committed (root + accepted nodes, ``counts`` [bs] of the ``rows``
+        [bs, W] columns, -1 padding), written at the slots their target K/V now occupy (positions ``seq_lens[b] +
+        j`` after ``compact_kv``). Fixed shapes: padding columns write to the padding slot."""
+        bs, width = rows.shape
+        idx = rows.clamp(min=0).to(taps.device)
+        kept = taps.gather(1, idx[:, :, None].expand(-1, -1, taps.shape[2])).reshape(bs * width, -1)
+        slots, positions = committed_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
+                                           batch.seq_lens, counts.to(self.device), width)
+        self.draft_pool.write(slots, kept, positions)
+
     # ------------------------------------------------------------------ cost model calibration
     def _maybe_calibrate(self, batch: ScheduleBatch, rids: list[str], roots: torch.Tensor,
                          seq_lens_cpu: list[int], pp_proxy_tensors) -> bool:
@@ -495,13 +514,13 @@ class GlanceWorker(BaseSpecWorker):
         if any(1 << (b.bit_length() - 1) == bucket for b in costs.calibrated_batches()):
             return False
         t0 = time.perf_counter()
-        cache = self.contexts.catch_up(rids)
+        cache = self.draft_context(batch, seq_lens_cpu)
 
         def run_verify(rows: int, batch_size: int) -> None:
             self._pass(batch, chain_of(roots, rows), seq_lens_cpu, pp_proxy_tensors)
 
         def run_draft(batch_size: int) -> None:
-            logits = self.drafter.draft_block(cache, roots)[:, : self.max_depth]
+            logits = self.drafter.draft_block(cache, roots, context_len=max(seq_lens_cpu))[:, : self.max_depth]
             values, ids = topk_per_offset(draft_logprobs(logits), self.branch_k)
             build_tree(values, ids, roots, self.budget) if not roots.is_cuda else \
                 glance_kernels.budget_tree(values, ids, roots, self.budget)

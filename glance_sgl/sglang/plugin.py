@@ -32,8 +32,9 @@ Environment of the server / engine process (read by the worker at start-up):
 ``GLANCE_SGL_PROFILE=1``    log per-step phase times and the rows-per-step histogram
 ==========================  ===============================================================================
 
-Also forced: ``disable_radix_cache`` (the drafter needs the tap features of every prompt token, which a prefix
-hit would skip), no mixed chunked prefill, no overlap scheduling (the worker is synchronous), and
+The radix cache stays on: the drafter's context K/V live in a draft KV pool addressed by SGLang's token slots
+(``draft_pool.py``), so a prefix hit shares them with the target's K/V; that pool's bytes per token are budgeted
+with the target's (a HookRegistry hook on SGLang's pool sizing). Forced: no mixed chunked prefill, no overlap scheduling (the worker is synchronous), and
 ``disable_cuda_graph`` (capture of the verify pass through SGLang's dummy-verify-input hooks is not implemented
 yet; a warning says so when CUDA graphs were on).
 """
@@ -132,7 +133,6 @@ def fill_server_args(server_args: Any) -> None:
     server_args.speculative_num_draft_tokens = s["num_draft_tokens"]
     server_args.speculative_num_steps = s["num_steps"]
     server_args.speculative_eagle_topk = s["topk"]
-    server_args.disable_radix_cache = True
     server_args.enable_mixed_chunk = False
     if getattr(server_args, "max_running_requests", None) is None:
         server_args.max_running_requests = 48
@@ -166,7 +166,8 @@ def _spec_class():
             return False
 
         def has_draft_kv(self) -> bool:
-            # The drafter's context K/V live in the worker's own cache, not in SGLang's KV pool.
+            # The drafter's context K/V sit in a pool indexed by the target's own slots (one slot per token,
+            # written with it): no per-branch draft slots to reserve, unlike EAGLE's draft tree.
             return False
 
         def handle_server_args(self, server_args) -> None:
@@ -206,12 +207,14 @@ def register_all() -> None:
     import warnings
 
     from . import cpu
+    from .draft_pool import install_memory_accounting
 
     cpu.install_vllm_stub()
     cpu.install_sgl_kernel_stub()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         register_algorithm()
+        install_memory_accounting()
         cpu.register_cpu_backend()
         cpu.install_kv_pool_patch()
         register_model()

@@ -34,7 +34,7 @@ def cpu_engine_kwargs(model: str | Path, drafter: str | Path | None = None, algo
     kw: dict[str, Any] = dict(
         model_path=str(model), device="cpu", attention_backend="glance_cpu", disable_cuda_graph=True,
         disable_overlap_schedule=True, dtype="float32", mem_fraction_static=0.3, max_total_tokens=4096,
-        context_length=1024, disable_radix_cache=True, log_level="warning", random_seed=0,
+        context_length=1024, log_level="warning", random_seed=0,
         sleep_on_idle=True,  # an idle scheduler otherwise spins a core: engines side by side would starve
     )
     if algorithm == "GLANCE":

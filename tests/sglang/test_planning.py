@@ -101,63 +101,89 @@ class _Req:
         return self.done
 
 
-def test_batched_contexts_equal_per_request_extends():
-    """Prompts of different lengths, drafted rounds (accepted paths), AR steps (1 row, no drafter pass), a request
-    leaving and coming back, a new one merging and the batch reordered: the batched cache's drafts equal those
-    of a per-request reference cache fed token by token."""
-    from glance_sgl.sglang.draft_context import DraftContexts
+def test_draft_kv_pool_equals_per_request_extends():
+    """The draft KV pool addressed by SGLang-like token slots: prompts of different lengths written at scattered
+    slots, verify-like steps committing random accepted paths (``committed_slots``, padding to the padding slot),
+    AR steps (1 row), a request sharing another's prefix slots (a radix-cache hit: only its own tokens are
+    written) and batches in any order: the gathered context drafts what a per-request cache fed token by token
+    drafts."""
+    from glance_sgl.sglang.draft_pool import PAD_SLOT, DraftKVPool, committed_slots
 
     d = _drafter()
     dim = 2 * 32
     rng = random.Random(0)
     g = torch.Generator().manual_seed(1)
-    ctx = DraftContexts(d)
-    ref = {}
+    pool = DraftKVPool(d, size=600, device="cpu", dtype=torch.float32)
+    req_to_token = torch.zeros(8, 128, dtype=torch.int32)
+    free = list(range(1, 600))
+    rng.shuffle(free)  # slots are not in order, as after many allocations and frees
+    row, length, ref = {}, {}, {}
 
-    def start(rid, n):
-        taps = torch.randn(n, dim, generator=g)
-        ctx.start(_Req(rid), capacity=4)  # small: the caches must grow
-        ctx.extend_own(rid, taps)
+    def alloc(rid, n):
+        r = row[rid]
+        for j in range(length[rid], length[rid] + n):
+            req_to_token[r, j] = free.pop()
+
+    def start(rid, n, prefix_of=None, shared=0):
+        row[rid], length[rid] = len(row), 0
         ref[rid] = d.new_cache(1, capacity=4)
+        if prefix_of is not None:  # the radix cache's prefix: same slots, draft K/V already there
+            req_to_token[row[rid], :shared] = req_to_token[row[prefix_of], :shared]
+            d.extend_context(ref[rid], ref_taps[prefix_of][:shared][None], torch.tensor([shared]))
+            length[rid] = shared
+        taps = torch.randn(n, dim, generator=g)
+        alloc(rid, n)
+        slots = req_to_token[row[rid], length[rid]:length[rid] + n]
+        pool.write(slots, taps, torch.arange(length[rid], length[rid] + n))
         d.extend_context(ref[rid], taps[None], torch.tensor([n]))
+        ref_taps[rid] = torch.cat([ref_taps[prefix_of][:shared], taps]) if prefix_of else taps
+        length[rid] += n
 
     def step(rids, rows):
-        """One verify-like pass of ``rows`` rows per request; commits a random accepted path."""
+        """One verify-like pass of ``rows`` rows per request (reserved slots after the context); commits a random
+        accepted path, moved to the front like compact_kv does."""
         taps = torch.randn(len(rids), rows, dim, generator=g)
         counts = [rng.randint(1, rows) for _ in rids]
         acc = torch.full((len(rids), rows), -1, dtype=torch.long)
-        for b, k in enumerate(counts):  # the root, then accepted rows in tree order
+        for b, (rid, k) in enumerate(zip(rids, counts)):  # the root, then accepted rows in tree order
             acc[b, :k] = torch.tensor([0] + sorted(rng.sample(range(1, rows), k - 1)))
-        ctx.stash(rids, taps, acc, counts)
+            alloc(rid, rows)
+        kept = taps.gather(1, acc.clamp(min=0)[:, :, None].expand(-1, -1, dim)).reshape(-1, dim)
+        idx = torch.tensor([row[r] for r in rids])
+        lens = torch.tensor([length[r] for r in rids])
+        slots, pos = committed_slots(req_to_token, idx, lens, torch.tensor(counts), rows)
+        assert (slots.view(len(rids), rows)[acc < 0] == PAD_SLOT).all()
+        pool.write(slots, kept, pos)
         for b, (rid, k) in enumerate(zip(rids, counts)):
             d.extend_context(ref[rid], taps[b, acc[b, :k]][None], torch.tensor([k]))
+            ref_taps[rid] = torch.cat([ref_taps[rid], taps[b, acc[b, :k]]])
+            length[rid] += k  # the unused reserved slots stay the request's (as in SGLang) but are not read
 
     def check(rids):
         roots = torch.tensor([rng.randrange(40) for _ in rids])
-        got = d.draft_block(ctx.catch_up(rids), roots)
+        lens = [length[r] for r in rids]
+        cache = pool.gather(req_to_token, torch.tensor([row[r] for r in rids]), torch.tensor(lens), max(lens))
+        got = d.draft_block(cache, roots, context_len=max(lens))
         for b, rid in enumerate(rids):
             want = d.draft_block(ref[rid], roots[b:b + 1])
             assert torch.allclose(got[b:b + 1], want, atol=1e-5), rid
-        assert all(not ctx.states[r].pending for r in rids)
 
+    ref_taps = {}
     start("a", 7)
     start("b", 3)
     check(["a", "b"])
     step(["a", "b"], 4)
     check(["a", "b"])
-    step(["a", "b"], 1)  # AR steps: no drafter pass, features stashed
+    step(["a", "b"], 1)  # AR steps
     step(["a", "b"], 1)
     step(["a", "b"], 3)
-    check(["a", "b"])
-    start("c", 5)  # a new request merges; "a" leaves the batch for a while
+    check(["b", "a"])
+    start("c", 5, prefix_of="a", shared=6)  # a prefix hit on 6 of a's tokens
     check(["b", "c"])
     step(["b", "c"], 5)
     step(["b"], 1)
-    check(["c", "a", "b"])  # "a" back, reordered
-    ctx.drop("c")
-    step(["a", "b"], 2)
-    check(["b", "a"])
-    assert len(ctx) == 2
+    check(["c", "a", "b"])
+    check(["c"])
 
 
 def test_ar_and_calibration_trees_verify_inputs():

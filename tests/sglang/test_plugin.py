@@ -87,7 +87,7 @@ def test_server_args_filled(tmp_path, plugins_loaded):
     args = _args(path)
     SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
     assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (32, 15, 8)
-    assert args.disable_radix_cache is True and args.enable_mixed_chunk is False
+    assert args.disable_radix_cache is False and args.enable_mixed_chunk is False  # the radix cache stays on
     assert args.max_running_requests == 48
     args = _args(path, disable_cuda_graph=False, disable_overlap_schedule=False)
     SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
