@@ -229,8 +229,9 @@ def compact_kv(
     cols = torch.arange(rows.shape[1], device=rows.device)[None, :]
     src = kv_slots(page_table, page_size, prefix + rows.clamp(min=0))
     dst = kv_slots(page_table, page_size, prefix + cols)
-    move = valid & (src != dst)
-    src, dst = src[move], dst[move]
+    # fixed shapes (no boolean indexing, which syncs a device): padding columns copy slot 0 onto itself, rows
+    # already in place copy onto themselves
+    src, dst = torch.where(valid, src, 0).reshape(-1), torch.where(valid, dst, 0).reshape(-1)
     for cache in caches:
         cache[dst] = cache[src]  # the right side is gathered before any write
     return prefix_lens.long() + valid.sum(-1)

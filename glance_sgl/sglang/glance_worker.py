@@ -36,6 +36,7 @@ import zlib
 from typing import Optional
 
 import torch
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.managers.tp_worker import TpModelWorker
@@ -466,7 +467,10 @@ class GlanceWorker(BaseSpecWorker):
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32)
         for b, toks in enumerate(committed):
             accept_tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
-        accept_tokens = accept_tokens.to(self.device).flatten()
+        accept_tokens = accept_tokens.to(self.device)
+        if batch.return_logprob:
+            self._spec_logprobs(batch, result.logits_output, walk.accepted_rows, accept_tokens, tree.num_rows)
+        accept_tokens = accept_tokens.flatten()
         accept_lens = accept_lens.to(self.device)
         new_seq_lens = seq_lens + accept_lens
         batch.forward_mode = ForwardMode.DECODE
@@ -486,6 +490,20 @@ class GlanceWorker(BaseSpecWorker):
         self._last_decode_end = time.perf_counter()
         return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens, new_seq_lens,
                             on_publish)
+
+    def _spec_logprobs(self, batch: ScheduleBatch, logits_output, accepted_rows: torch.Tensor, tokens: torch.Tensor,
+                       rows: int) -> None:
+        """The target's log-probabilities of the committed tokens (and the top / requested token ids), filled
+        into ``logits_output`` by SGLang's ``compute_spec_logprobs`` as for NGRAM: committed token j of request b
+        was chosen at tree row ``accepted_rows[b, j]`` (-1 padding) of this pass's ``rows`` rows per request;
+        ``tokens`` [bs, >= W]: the committed tokens, root's successor first."""
+        bs, width = accepted_rows.shape
+        path = accepted_rows.to(self.device).long()
+        valid = path >= 0
+        flat = torch.arange(bs, device=self.device)[:, None] * rows + path.clamp(min=0)
+        predict = torch.zeros(bs * rows + 1, dtype=torch.long, device=self.device)  # the last entry: padding
+        predict.scatter_(0, torch.where(valid, flat, bs * rows).reshape(-1), tokens[:, :width].long().reshape(-1))
+        compute_spec_logprobs(batch, logits_output, predict, accept_index=torch.where(valid, flat, -1))
 
     def _write_committed(self, batch: ScheduleBatch, taps: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor
                          ) -> None:

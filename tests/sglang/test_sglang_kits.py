@@ -9,10 +9,10 @@ GLANCE`` on CPU (float32, the bundled demo pair), one server for the whole modul
 - ``sglang.test.vlm_utils.ImageOpenAITestMixin``: ``test_mixed_batch`` (image, other image and text-only
   requests, 4 in flight) and ``test_image_prefix_cache_reuse``, on local Pillow-rendered pictures (the demo's
   caption images, as PNG files) instead of the kit's download URLs;
+- ``SpecLogprobKit``: logprob shapes, ragged token-id logprobs, decode logprobs equal to prefill logprobs;
 - SGLang's idle memory-leak check after the kits: the scheduler's invariant checker (strict: a leaked KV or
   request slot raises and ends the server; also after every busy step here), then SGLang's
   ``run_and_check_memory_leak`` convention of no "leak" in the server's output;
-- ``SpecLogprobKit`` last, expected to fail (see ``LOGPROB_XFAIL``).
 
 Kit tests that need a real chat model's knowledge (answers must name what a photo shows) are skipped with the
 reason; acceptance thresholds are per-model class attributes of the kit and are set for the demo pair here.
@@ -24,7 +24,6 @@ and ``os._exit``s the whole pytest run when the server exits non-zero.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import unittest
 from types import SimpleNamespace
@@ -185,6 +184,35 @@ class TestGlanceImageOpenAI(_OnKitServer, vlm_utils.ImageOpenAITestMixin):
                                       "the words)"))
 
 
+# ------------------------------------------------------------------------------------------------- logprobs
+@pytest.mark.usefixtures("on_kit_server")
+class TestGlanceSpecLogprob(_OnKitServer, spec_server_kits.SpecLogprobKit, unittest.TestCase):
+    """Logprob shapes, ragged token-id logprobs and decode-vs-prefill logprobs of GLANCE's committed tokens."""
+
+    def test_logprob_start_len(self):
+        """The kit's test with ``ignore_eos``: the demo model ends the kit's text prompts after 2 tokens, and the
+        kit counts on ``max_new_tokens`` output tokens."""
+        start, new_tokens = 4, 4
+        r = requests.post(self.base_url + "/generate", json={
+            "text": ["I have a very good idea on", "Today is a sunndy day and"],
+            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 5, "logprob_start_len": start}, timeout=300)
+        for res in r.json():
+            mi = res["meta_info"]
+            self.assertEqual(mi["prompt_tokens"], start + len(mi["input_token_logprobs"]))
+            self.assertEqual(mi["completion_tokens"], new_tokens)
+            self.assertEqual(len(mi["output_token_logprobs"]), new_tokens)
+            self.assertEqual([len(top) for top in mi["output_top_logprobs"]], [5] * new_tokens)
+
+    def test_logprob_match(self):
+        pytest.skip("512 ignore_eos tokens is over this file's time budget on 2 CPU cores; "
+                    "test_logprob_decode_match_prefill checks decode against prefill logprobs at 32 tokens")
+
+    def test_logprob_mixed(self):
+        pytest.skip("prompts of 200 to 2000 tokens, over a hundred requests: over the CPU mode's context and "
+                    "this file's time budget")
+
+
 # ------------------------------------------------------------------------------------- SGLang's idle leak check
 def test_idle_memory_leak_check_after_the_kits(kit_server):
     """SGLang's memory-leak check, after every kit above: at idle the scheduler's invariant checker asserts that
@@ -201,43 +229,3 @@ def test_idle_memory_leak_check_after_the_kits(kit_server):
     log = kit_server.log.read_text(errors="replace")
     assert "leak" not in log.lower(), kit_server.server._tail()
     assert "Traceback" not in log, kit_server.server._tail()
-
-
-# ---------------------------------------------------------------------------------------- logprobs: GLANCE bug
-LOGPROB_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "GLANCE bug: a decode step of a request with return_logprob ends the scheduler (AttributeError: 'NoneType' "
-    "object has no attribute 'tolist' in batch_result_processor._normalize_decode_outputs): "
-    "GlanceWorker._decode returns the verify pass's logits_output without the accepted tokens' logprobs "
-    "(NGRAM's worker calls compute_spec_logprobs(batch, logits_output, predict, accept_index) when "
-    "batch.return_logprob). The first of these tests ends the server, so they run last, after the leak check"))
-
-
-@pytest.mark.usefixtures("on_kit_server")
-class TestGlanceSpecLogprob(_OnKitServer, spec_server_kits.SpecLogprobKit, unittest.TestCase):
-    """Logprob shapes and decode-vs-prefill logprobs; when GLANCE passes these, drop the xfail (and the subTest
-    override) and move this class above the leak check."""
-
-    def subTest(self, msg=None, **params):
-        # pytest reports a failed unittest subTest on its own and passes the test around it, which
-        # xfail(strict=True) then counts as an unexpected pass: let the failure reach the test
-        return contextlib.nullcontext()
-
-    @LOGPROB_XFAIL
-    def test_logprob_start_len(self):
-        super().test_logprob_start_len()
-
-    @LOGPROB_XFAIL
-    def test_logprob_decode_match_prefill(self):
-        super().test_logprob_decode_match_prefill()
-
-    @LOGPROB_XFAIL
-    def test_token_ids_logprob_ragged(self):
-        super().test_token_ids_logprob_ragged()
-
-    def test_logprob_match(self):
-        pytest.skip("512 ignore_eos tokens is over this file's time budget on 2 CPU cores; "
-                    "test_logprob_decode_match_prefill checks decode against prefill logprobs at 32 tokens")
-
-    def test_logprob_mixed(self):
-        pytest.skip("prompts of 200 to 2000 tokens, over a hundred requests: over the CPU mode's context and "
-                    "this file's time budget")
