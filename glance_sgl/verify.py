@@ -8,42 +8,121 @@ decoding at T = 0 and follows the target's distribution at T > 0 (lossless).
 
 Sampling uses Gumbel-max with noise keyed by (seed, output index): the token at output index i is
 ``argmax(logprobs + g_i)`` whichever tree row computes it, so a seeded request gives the same tokens with
-speculation and without, and the noise for index i is independent of everything that fixed the prefix.
+speculation and without, and the noise for index i is independent of everything that fixed the prefix. The noise
+is a counter-based hash of (seed, output index, vocab id) in integer tensor ops, so it is computed on the device
+holding the logits; with the walk's tensor path (``device_walk``) a verify step needs no device-to-host copy.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-_SEED_MIX = 1_000_003
+_MASK32 = 0xFFFFFFFF
+# lowbias32 (C. Wellons' hash prospector). The second multiplier is applied as its negative 32-bit complement:
+# for 0 <= x < 2**32 both |x * m| stay below 2**63 (no int64 wrap-around) and the low 32 bits are the same.
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x846CA68B - (1 << 32)
+_SEED_SALT = 0x9E3779B9
+_TWO_M32 = 2.0**-32
 
 
-def process_logprobs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Log-probabilities after temperature and nucleus (top-p) filtering, fp32. [..., V] -> [..., V].
+def _mix32(x):
+    """lowbias32, a bijection of [0, 2**32): on a Python int, or in place on an int64 tensor of 32-bit values
+    (the augmented assignments are in-place tensor ops); returns ``x``."""
+    x ^= x >> 16
+    x *= _MUL_A
+    x &= _MASK32
+    x ^= x >> 15
+    x *= _MUL_B
+    x &= _MASK32
+    x ^= x >> 16
+    return x
 
-    Tokens outside the nucleus get -inf. The nucleus is the smallest set of most likely tokens whose mass
-    reaches ``top_p`` (the most likely token is always kept).
+
+def _seed_keys(seeds):
+    """A request's 32-bit key from both 32-bit words of its int64 seed: an int (any sign) or an int64 tensor [B]."""
+    return _mix32(_mix32((seeds & _MASK32) ^ _SEED_SALT) ^ ((seeds >> 32) & _MASK32))
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """lowbias32 of every vocab id, [V] int64 (reused: it depends on V and the device alone)."""
+    return _mix32(torch.arange(vocab, dtype=torch.long, device=device))
+
+
+def _keyed_uniforms(keys: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``counter_uniforms`` from the requests' keys [B] (``_seed_keys``) on ``indices.device``."""
+    row = _mix32(keys.to(indices.device)[:, None] ^ (indices & _MASK32))  # [B, R]
+    h = _mix32(_vocab_hashes(vocab, indices.device) ^ row[..., None])  # [B, R, V]
+    return h.double().add_(0.5).mul_(_TWO_M32)
+
+
+def seed_tensor(seeds: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Python seeds (any int) -> [B] int64, each wrapped to 64 bits (the noise reads all 64)."""
+    return torch.tensor([(int(s) + (1 << 63)) % (1 << 64) - (1 << 63) for s in seeds], dtype=torch.long,
+                        device=device)
+
+
+def counter_uniforms(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1) [B, R, V] float64 for output indices ``indices`` [B, R] int64 (below 2**32) of requests
+    seeded ``seeds`` [B] int64.
+
+    Counter-based: element (b, r, v) is a function of (seeds[b], indices[b, r], v) alone, in int64 tensor ops on
+    ``indices.device`` (no generator, no host copy; every product below 2**63, so the same bits on every device). A
+    request's 32-bit key (two lowbias32 rounds over the seed's two words) is xor-ed with the index and mixed (for one
+    seed, distinct indices get distinct row keys), then xor-ed with lowbias32(v) and mixed once more (a bijection of
+    v); the 32-bit hash h gives u = (h + 1/2) / 2**32, exact in float64.
     """
-    if temperature <= 0:
-        raise ValueError("process_logprobs is for sampling; use argmax at temperature 0")
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    return logp
+    return _keyed_uniforms(_seed_keys(seeds.to(device=indices.device, dtype=torch.long)), indices.long(), vocab)
+
+
+def batched_gumbel_noise(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, R, V] float32 for output indices ``indices`` [B, R] (int64) of requests seeded
+    ``seeds`` [B] (int64), on ``indices.device``: g = -log(-log(u)) of ``counter_uniforms`` in float64, rounded to
+    float32. The uniforms are bit-identical on CPU and CUDA; their float64 logs may differ in the last bit, which
+    survives the float32 rounding only next to a float32 rounding boundary (then by one float32 ulp).
+    """
+    return _gumbel(counter_uniforms(seeds, indices, vocab))
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    """-log(-log(u)) in place in float64, then float32."""
+    return u.log_().neg_().log_().neg_().float()
 
 
 def gumbel_noise(seed: int, index: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Standard Gumbel noise [V] for output index ``index`` of a request seeded with ``seed``."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed((int(seed) * _SEED_MIX + int(index)) % (1 << 63))
-    u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-20, 1.0 - 1e-16)
-    return (-torch.log(-torch.log(u))).to(device=device, dtype=torch.float32)
+    """Standard Gumbel noise [V] float32 for output index ``index`` of a request seeded with ``seed``
+    (``batched_gumbel_noise`` for one row)."""
+    return batched_gumbel_noise(seed_tensor([seed], device), torch.tensor([[int(index)]], device=device), vocab)[0, 0]
+
+
+def process_logprobs(
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """Log-probabilities after temperature and nucleus (top-p) filtering, fp32. [..., V] -> [..., V].
+
+    ``temperature`` / ``top_p``: floats, or tensors broadcasting against ``logits[..., :1]`` (one value per row or
+    per request; temperatures must then be > 0, unchecked to stay on the device). Tokens outside the nucleus get
+    -inf. The nucleus is the smallest set of most likely tokens whose mass reaches ``top_p`` (the most likely token
+    is always kept); rows with ``top_p >= 1`` keep the tempered log-softmax as it is, whatever their neighbours'.
+    """
+    if not isinstance(temperature, torch.Tensor) and temperature <= 0:
+        raise ValueError("process_logprobs is for sampling; use argmax at temperature 0")
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if not isinstance(top_p, torch.Tensor):
+        return _nucleus(logp, top_p) if top_p < 1.0 else logp
+    return torch.where(top_p < 1.0, _nucleus(logp, top_p), logp)
+
+
+def _nucleus(logp: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """``logp`` [..., V] renormalised over its top-p nucleus, -inf outside."""
+    sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
+    drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
 
 
 @dataclass
@@ -65,69 +144,130 @@ def target_choices(
     """The target's choice at every row.
 
     ``logits`` [B, R, V]; ``depths`` [B, R]; ``next_index`` [B]: output index of the token after the root
-    (the number of tokens the request has produced so far); ``specs``: one per request. Returns [B, R] long.
+    (the number of tokens the request has produced so far); ``specs``: one per request. Returns [B, R] long on
+    ``logits.device``. Tensor ops on that device only (``depths`` / ``next_index`` are moved there; the sampled
+    requests' rows, temperatures, top-p values and seeds go there as small host-built tensors), so no value comes
+    back to the host. Greedy requests' rows are the argmax and never enter the sampling arithmetic.
     """
     choices = logits.argmax(dim=-1)
-    for b, spec in enumerate(specs):
-        if spec.greedy:
-            continue
-        logp = process_logprobs(logits[b], spec.temperature, spec.top_p)  # [R, V]
-        idx = depths[b] + next_index[b]
-        noise = torch.stack([gumbel_noise(spec.seed, int(i), logp.shape[-1], logp.device) for i in idx.tolist()])
-        choices[b] = (logp + noise).argmax(dim=-1)
-    return choices
+    sampled = [b for b, spec in enumerate(specs) if not spec.greedy]
+    if not sampled:
+        return choices
+    dev = logits.device
+    picked = [specs[b] for b in sampled]
+    subset = None if len(sampled) == len(specs) else torch.tensor(sampled, device=dev)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(dev)
+        return t if subset is None else t.index_select(0, subset)
+
+    temperature = torch.tensor([s.temperature for s in picked], dtype=torch.float32, device=dev)[:, None, None]
+    top_p: float | torch.Tensor = 1.0
+    if any(s.top_p < 1.0 for s in picked):
+        top_p = torch.tensor([s.top_p for s in picked], dtype=torch.float32, device=dev)[:, None, None]
+    logp = process_logprobs(rows(logits), temperature, top_p)  # [S, R, V]
+    index = rows(depths).long() + rows(next_index).long()[:, None]
+    keys = torch.tensor([_seed_keys(int(s.seed)) for s in picked], dtype=torch.long, device=dev)  # on the host
+    logp += _gumbel(_keyed_uniforms(keys, index, logp.shape[-1]))
+    sample = logp.argmax(dim=-1)
+    return sample if subset is None else choices.index_copy_(0, subset, sample)
 
 
 @dataclass
 class WalkResult:
-    """Outcome of verifying a batch of trees.
+    """Outcome of verifying a batch of trees (D: the walk's depth cap, ``max_depth``).
 
-    accepted_rows: [B, D+1] long, the accepted path as tree rows, starting with the root (row 0); -1 padding
-    accept_lens:   [B] long, accepted drafted nodes (root and bonus excluded)
-    bonus:         [B] long, the target's choice after the last accepted row
+    accepted_rows:    [B, D+1] long, the accepted path as tree rows, starting with the root (row 0); -1 padding
+    accept_lens:      [B] long, accepted drafted nodes (root and bonus excluded)
+    bonus:            [B] long, the target's choice after the last accepted row
+    committed_tokens: [B, D+1] long, the accepted drafted tokens then the bonus (``accept_lens + 1`` of them);
+                      -1 padding
     """
 
     accepted_rows: torch.Tensor
     accept_lens: torch.Tensor
     bonus: torch.Tensor
+    committed_tokens: torch.Tensor
 
-    def committed(self, tokens: torch.Tensor) -> list[list[int]]:
-        """Tokens committed per request: the accepted drafted tokens, then the bonus token."""
-        out = []
-        for b in range(tokens.shape[0]):
-            n = int(self.accept_lens[b])
-            path = self.accepted_rows[b, 1 : n + 1]
-            out.append(tokens[b, path].tolist() + [int(self.bonus[b])])
-        return out
+    def committed(self, tokens: torch.Tensor | None = None) -> list[list[int]]:
+        """Tokens committed per request as host lists (two copies): the accepted drafted tokens, then the bonus.
+        ``tokens`` (the trees' tokens) is accepted for older callers and unused: ``committed_tokens`` holds them."""
+        lens = self.accept_lens.tolist()
+        return [row[: n + 1] for row, n in zip(self.committed_tokens.tolist(), lens)]
 
 
-def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor) -> WalkResult:
-    """Walk every tree from its root following the target's choices.
+# CPU tensors: the host-list walk up to this batch size, the tensor walk above. Median us per walk, R = 32 rows
+# (budget trees, branch 4), cap D = 8, 2 CPU cores (short walks / walks of ~4-5 accepted nodes):
+#   bs 1: host 47 / 62, tensor 201 / 286;  bs 16: host 177 / 282, tensor 221 / 294;  bs 32: host 331 / 461,
+#   tensor 263 / 322;  bs 64: host 710 / 1080, tensor 352 / 450.
+HOST_WALK_MAX_BATCH = 16
+
+
+def greedy_walk(
+    tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor, max_depth: int | None = None
+) -> WalkResult:
+    """Walk every tree from its root following the target's choices, on host lists.
 
     ``tokens`` / ``parents`` / ``choices``: [B, R]. At each step the child (smallest row first, like SGLang's
-    sibling order) whose token equals the current row's choice is taken. The walk runs on host lists (one
-    copy each): a tree is a few dozen rows, and per-level tensor ops cost more than the whole walk.
+    sibling order) whose token equals the current row's choice is taken, at most ``max_depth`` times (default
+    R - 1: no cap). One copy of each input to host lists; the result is on ``tokens.device``. Same result as
+    ``device_walk``.
     """
     bs, r = tokens.shape
+    depth = r - 1 if max_depth is None else max_depth
     tok, par, choice = tokens.tolist(), parents.tolist(), choices.tolist()
-    paths, bonus = [], []
+    accepted, committed, lens, bonus = [], [], [], []
     for b in range(bs):
         children: list[list[int]] = [[] for _ in range(r)]
         for row, p in enumerate(par[b]):
             if p >= 0:
                 children[p].append(row)  # ascending rows: the smallest matching child wins
         cur, path = 0, [0]
-        while (nxt := next((c for c in children[cur] if tok[b][c] == choice[b][cur]), None)) is not None:
+        while len(path) <= depth and (
+            nxt := next((c for c in children[cur] if tok[b][c] == choice[b][cur]), None)
+        ) is not None:
             cur = nxt
             path.append(cur)
-        paths.append(path)
+        pad = [-1] * (depth + 1 - len(path))
+        accepted.append(path + pad)
+        committed.append([tok[b][c] for c in path[1:]] + [choice[b][cur]] + pad)
+        lens.append(len(path) - 1)
         bonus.append(choice[b][cur])
-    accepted = torch.full((bs, max(map(len, paths))), -1, dtype=torch.long)
-    for b, path in enumerate(paths):
-        accepted[b, : len(path)] = torch.tensor(path)
     dev = tokens.device
-    return WalkResult(accepted_rows=accepted.to(dev), accept_lens=torch.tensor([len(p) - 1 for p in paths], device=dev),
-                      bonus=torch.tensor(bonus, dtype=torch.long, device=dev))
+    return WalkResult(accepted_rows=torch.tensor(accepted, dtype=torch.long, device=dev),
+                      accept_lens=torch.tensor(lens, dtype=torch.long, device=dev),
+                      bonus=torch.tensor(bonus, dtype=torch.long, device=dev),
+                      committed_tokens=torch.tensor(committed, dtype=torch.long, device=dev))
+
+
+def device_walk(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor, max_depth: int) -> WalkResult:
+    """``greedy_walk`` in tensor ops on ``tokens.device``: no host copy, no data-dependent control flow.
+
+    ``tokens`` / ``parents`` / ``choices``: [B, R] on one device; ``max_depth``: the walk's cap D (pass the trees'
+    depth bound, e.g. the drafter's number of offsets: D, not the tensors' values, fixes the op count, so the
+    step has no host sync and can be captured in a CUDA graph). Each row's next row is computed once (its
+    smallest child whose token is the row's choice, else the row itself), then D gathers walk every tree at once.
+    """
+    bs, r = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(r, device=dev).expand(bs, r)
+    taken = (parents >= 0) & (tokens == choices.gather(1, parents.clamp(min=0)))  # the parent's choice
+    step = torch.full((bs, r + 1), r, dtype=torch.long, device=dev)  # column r collects the other rows
+    step.scatter_reduce_(1, torch.where(taken, parents, r), rows, reduce="amin")
+    step = torch.where(step[:, :r] < r, step[:, :r], rows)
+    cur = torch.zeros(bs, 1, dtype=torch.long, device=dev)
+    path = [cur]
+    for _ in range(max_depth):
+        cur = step.gather(1, cur)
+        path.append(cur)
+    walk = torch.cat(path, dim=1)  # [B, D+1]; a walk that stopped repeats its last row
+    moved = torch.cat([torch.ones(bs, 1, dtype=torch.bool, device=dev), walk[:, 1:] != walk[:, :-1]], dim=1)
+    accept_lens = moved.sum(dim=1) - 1
+    bonus = choices.gather(1, cur).squeeze(1)
+    drafted = torch.where(moved[:, 1:], tokens.gather(1, walk[:, 1:]), -1)  # [B, D]
+    committed = torch.nn.functional.pad(drafted, (0, 1), value=-1).scatter_(1, accept_lens[:, None], bonus[:, None])
+    return WalkResult(accepted_rows=torch.where(moved, walk, -1), accept_lens=accept_lens, bonus=bonus,
+                      committed_tokens=committed)
 
 
 def verify_tree(
@@ -137,6 +277,19 @@ def verify_tree(
     logits: torch.Tensor,
     next_index: torch.Tensor,
     specs: list[SamplingSpec],
+    max_depth: int | None = None,
+    device_resident: bool = False,
 ) -> WalkResult:
-    """Target choices for every row, then the walk: greedy at T = 0, lossless sampling at T > 0."""
-    return greedy_walk(tokens, parents, target_choices(logits, depths, next_index, specs))
+    """Target choices for every row, then the walk: greedy at T = 0, lossless sampling at T > 0.
+
+    ``tokens`` / ``parents`` / ``depths``: [B, R]; ``logits`` [B, R, V]; ``next_index`` [B]; ``max_depth``: the
+    walk's cap D (default R - 1; pass the trees' depth bound to keep the tensor walk short). With
+    ``device_resident``, logits off the CPU or a batch above ``HOST_WALK_MAX_BATCH``, everything runs on
+    ``logits.device`` (``device_walk``: no host copy) and the result lives there; else the walk runs on host lists
+    (``greedy_walk``, result on ``tokens.device``). Both give the same result.
+    """
+    choices = target_choices(logits, depths, next_index, specs)
+    depth = tokens.shape[1] - 1 if max_depth is None else max_depth
+    if device_resident or logits.device.type != "cpu" or tokens.shape[0] > HOST_WALK_MAX_BATCH:
+        return device_walk(tokens.to(logits.device), parents.to(logits.device), choices, depth)
+    return greedy_walk(tokens, parents, choices, depth)

@@ -1,14 +1,30 @@
-"""Verification: the batched walk against a brute-force reference; lossless sampling is unbiased."""
+"""Verification: the host and tensor walks against a brute-force reference and each other; lossless sampling is
+unbiased; the counter-based Gumbel noise; the device path makes no host transfer."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
+from host_transfers import count_host_transfers
 from scipy.stats import chisquare
 
-from glance_sgl.verify import SamplingSpec, greedy_walk, process_logprobs, target_choices, verify_tree
+from glance_sgl.tree import build_tree, topk_per_offset
+from glance_sgl.verify import (
+    SamplingSpec,
+    WalkResult,
+    batched_gumbel_noise,
+    counter_uniforms,
+    device_walk,
+    greedy_walk,
+    gumbel_noise,
+    process_logprobs,
+    seed_tensor,
+    target_choices,
+    verify_tree,
+)
 
 
 def random_tree(rng: random.Random, rows: int, vocab: int):
@@ -37,6 +53,7 @@ def test_walk_matches_brute_force(seed):
     tokens = torch.tensor([t[1] for t in trees])
     choices = torch.randint(0, vocab, (bs, rows), generator=torch.Generator().manual_seed(seed))
     walk = greedy_walk(tokens, parents, choices)
+    assert_same_walk(walk, device_walk(tokens, parents, choices, rows - 1))
     for b in range(bs):
         path, bonus = reference_walk(trees[b][0], trees[b][1], choices[b].tolist())
         n = int(walk.accept_lens[b])
@@ -47,9 +64,10 @@ def test_walk_matches_brute_force(seed):
 
 
 def test_root_only_tree():
-    walk = greedy_walk(torch.tensor([[5]]), torch.tensor([[-1]]), torch.tensor([[9]]))
-    assert walk.accept_lens.tolist() == [0] and walk.bonus.tolist() == [9]
-    assert walk.committed(torch.tensor([[5]])) == [[9]]
+    for walk in (greedy_walk(torch.tensor([[5]]), torch.tensor([[-1]]), torch.tensor([[9]])),
+                 device_walk(torch.tensor([[5]]), torch.tensor([[-1]]), torch.tensor([[9]]), 0)):
+        assert walk.accept_lens.tolist() == [0] and walk.bonus.tolist() == [9]
+        assert walk.committed(torch.tensor([[5]])) == [[9]] and walk.committed_tokens.tolist() == [[9]]
 
 
 def test_top_p_keeps_the_nucleus():
@@ -104,3 +122,290 @@ def test_choices_are_keyed_by_output_index():
     assert same_depth[0, 1] == same_depth[0, 2]
     greedy = target_choices(logits, torch.tensor([[0, 1, 1, 2]]), torch.tensor([5]), [SamplingSpec()])
     assert torch.equal(greedy[0], logits[0].argmax(-1))
+
+
+# ------------------------------------------------------------------ host walk == tensor walk
+
+
+def assert_same_walk(a: WalkResult, b: WalkResult) -> None:
+    for field in ("accepted_rows", "accept_lens", "bonus", "committed_tokens"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert x.dtype == y.dtype == torch.long and torch.equal(x, y), field
+
+
+def capped_reference(parents, tokens, choices, cap):
+    path, bonus = reference_walk(parents, tokens, choices)
+    return path[: cap + 1], choices[path[min(cap, len(path) - 1)]]
+
+
+def random_specs(rng: random.Random, bs: int, kind: str = "mixed") -> list[SamplingSpec]:
+    def one() -> SamplingSpec:
+        if kind == "greedy" or (kind == "mixed" and rng.random() < 0.4):
+            return SamplingSpec()
+        return SamplingSpec(rng.choice([0.3, 0.7, 1.0, 1.6]), rng.choice([1.0, 1.0, 0.9, 0.5]), rng.randrange(1 << 62))
+    return [one() for _ in range(bs)]
+
+
+def random_batch(rng: random.Random, bs: int, rows: int, max_depth: int, vocab: int, specs: list[SamplingSpec]):
+    """Trees of depth <= ``max_depth`` (chains to bushes: each tree's parents are drawn among its last ``width``
+    open rows) with random logits; most tokens are then set to their parent row's target choice (siblings may
+    repeat a token), so walks are long. Returns tokens, parents, depths [B, R], logits [B, R, V], next_index [B]."""
+    parents, depths = [], []
+    for _ in range(bs):
+        width = rng.choice([1, 2, 4, rows])
+        par, dep = [-1], [0]
+        for i in range(1, rows):
+            p = rng.choice([j for j in range(i) if dep[j] < max_depth][-width:])
+            par.append(p)
+            dep.append(dep[p] + 1)
+        parents.append(par)
+        depths.append(dep)
+    parents, depths = torch.tensor(parents), torch.tensor(depths)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    logits = torch.randn(bs, rows, vocab, generator=gen) * rng.choice([0.5, 2.0, 6.0])
+    next_index = torch.randint(0, 2000, (bs,), generator=gen)
+    choices = target_choices(logits, depths, next_index, specs).tolist()
+    tokens = torch.randint(0, vocab, (bs, rows), generator=gen).tolist()
+    for b in range(bs):
+        for i in range(1, rows):
+            if rng.random() < 0.8:
+                tokens[b][i] = choices[b][parents[b, i]]
+    return torch.tensor(tokens), parents, depths, logits, next_index
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tensor_walk_equals_host_walk(seed):
+    """Random batches (B 1..8, R up to 64, depth up to 15, greedy and sampled requests, top-p < 1 too): the two
+    paths of ``verify_tree`` agree field for field, and with the brute-force walk, at the trees' depth bound and
+    at a smaller cap."""
+    rng = random.Random(seed)
+    accepted = []
+    for _ in range(6):
+        bs, rows, max_depth = rng.randint(1, 8), rng.randint(1, 64), rng.randint(1, 15)
+        vocab = rng.choice([3, 50, 300])
+        specs = random_specs(rng, bs)
+        tokens, parents, depths, logits, next_index = random_batch(rng, bs, rows, max_depth, vocab, specs)
+        choices = target_choices(logits, depths, next_index, specs)
+        for cap in (max_depth, rng.randint(0, max_depth)):
+            host = verify_tree(tokens, parents, depths, logits, next_index, specs, max_depth=cap)
+            dev = verify_tree(tokens, parents, depths, logits, next_index, specs, max_depth=cap, device_resident=True)
+            assert_same_walk(host, dev)
+            assert dev.accepted_rows.shape == (bs, cap + 1)
+            for b in range(bs):
+                path, bonus = capped_reference(parents[b].tolist(), tokens[b].tolist(), choices[b].tolist(), cap)
+                n = int(dev.accept_lens[b])
+                assert dev.accepted_rows[b].tolist() == path + [-1] * (cap + 1 - len(path)) and n == len(path) - 1
+                assert int(dev.bonus[b]) == bonus
+                want = tokens[b, path[1:]].tolist() + [bonus]
+                assert dev.committed(tokens)[b] == want
+                assert dev.committed_tokens[b].tolist() == want + [-1] * (cap + 1 - len(want))
+            accepted += dev.accept_lens.tolist()
+    assert sum(accepted) / len(accepted) > 1 and max(accepted) >= 5, accepted  # forced tokens: long walks
+
+
+def test_budget_trees_and_large_batches_take_the_tensor_walk():
+    """Best-first budget trees; a CPU batch above HOST_WALK_MAX_BATCH walks in tensor ops, same result."""
+    gen = torch.Generator().manual_seed(3)
+    bs, depth, vocab = 40, 6, 30
+    vals, ids = topk_per_offset(torch.log_softmax(torch.randn(bs, depth, vocab, generator=gen) * 3, -1), 3)
+    tree = build_tree(vals, ids, torch.randint(0, vocab, (bs,), generator=gen), 31)
+    choices = torch.roll(tree.tokens, -1, 1)  # the target mostly agrees with the spine
+    host = greedy_walk(tree.tokens, tree.parents, choices, depth)
+    assert_same_walk(host, device_walk(tree.tokens, tree.parents, choices, depth))
+    logits = torch.randn(bs, tree.num_rows, vocab, generator=gen)
+    specs = [SamplingSpec()] * bs
+    with count_host_transfers() as counter:
+        walk = verify_tree(tree.tokens, tree.parents, tree.depths, logits, torch.zeros(bs, dtype=torch.long), specs,
+                           max_depth=depth)
+    assert counter.total == 0
+    assert_same_walk(walk, greedy_walk(tree.tokens, tree.parents, logits.argmax(-1), depth))
+
+
+# ------------------------------------------------------------------ no host transfers on the device path
+
+
+@pytest.mark.parametrize("bs", [1, 8])
+@pytest.mark.parametrize("vocab", [50, 5000])
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed"])
+def test_device_path_makes_no_host_transfer(bs, vocab, kind):
+    rng = random.Random(bs * vocab)
+    specs = random_specs(rng, bs, kind)
+    tokens, parents, depths, logits, next_index = random_batch(rng, bs, 32, 8, vocab, specs)
+    with count_host_transfers() as counter:
+        choices = target_choices(logits, depths, next_index, specs)
+        walk = device_walk(tokens, parents, choices, 8)
+        same = verify_tree(tokens, parents, depths, logits, next_index, specs, max_depth=8, device_resident=True)
+    assert counter.total == 0, counter.calls
+    assert_same_walk(walk, same)
+    with count_host_transfers() as counter:  # the counter does see the host walk's copies
+        greedy_walk(tokens, parents, choices, 8)
+    assert counter.calls == {"tolist": 3}
+
+
+def test_device_path_runs_without_data():
+    """On the meta device (shapes, no data) any read of a value would raise: the device path reads none, not even
+    through syncs the counter cannot see (nonzero, boolean masks)."""
+    bs, rows, vocab = 3, 8, 50
+    meta = dict(device="meta", dtype=torch.long)
+    specs = [SamplingSpec(), SamplingSpec(0.7, 0.9, 3), SamplingSpec(1.0, 1.0, 5)]
+    walk = verify_tree(torch.zeros(bs, rows, **meta), torch.zeros(bs, rows, **meta), torch.zeros(bs, rows, **meta),
+                       torch.zeros(bs, rows, vocab, device="meta"), torch.tensor([1, 2, 3]), specs, max_depth=4,
+                       device_resident=True)
+    assert walk.accepted_rows.shape == walk.committed_tokens.shape == (bs, 5)
+    assert walk.bonus.shape == walk.accept_lens.shape == (bs,) and walk.bonus.device.type == "meta"
+
+
+READS = {
+    "item": lambda t: t.item(), "tolist": lambda t: t.tolist(), "cpu": lambda t: t.cpu(), "numpy": lambda t: t.numpy(),
+    "__bool__": bool, "__int__": int, "__float__": float, "__complex__": complex, "__index__": lambda t: [0, 1][t],
+    "__array__": np.asarray, "__contains__": lambda t: 1 in t, "__format__": lambda t: f"{t}", "__repr__": repr,
+}
+
+
+@pytest.mark.parametrize("name", READS)
+def test_counter_sees_each_host_read(name):
+    with count_host_transfers() as counter:
+        READS[name](torch.tensor([1]))
+    assert counter.calls == {name: 1}
+
+
+def test_counter_counts_to_cpu_off_a_device_only():
+    host, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    with count_host_transfers() as counter:
+        host.to("cpu"), host.to(torch.float64), host.to(meta), host.to(host), meta.to(torch.float64), len(host)
+        assert counter.total == 0
+        for move in (lambda: meta.to("cpu"), lambda: meta.to(device=torch.device("cpu")), lambda: meta.to(host)):
+            with pytest.raises(NotImplementedError):  # a meta tensor has no data to copy, but the call was seen
+                move()
+    assert counter.calls == {"to": 3}
+
+
+# ------------------------------------------------------------------ batched sampling
+
+
+def test_batched_choices_match_one_request_at_a_time():
+    """A request's choices do not depend on the batch around it (other temperatures, top-p, greedy rows)."""
+    rng = random.Random(5)
+    specs = random_specs(rng, 8)
+    specs[0] = SamplingSpec(0.8, 1.0, 11)  # next to requests with top-p < 1
+    tokens, parents, depths, logits, next_index = random_batch(rng, 8, 20, 6, 400, specs)
+    batched = target_choices(logits, depths, next_index, specs)
+    for b, spec in enumerate(specs):
+        alone = target_choices(logits[b : b + 1], depths[b : b + 1], next_index[b : b + 1], [spec])
+        assert torch.equal(batched[b], alone[0]), b
+        if spec.greedy:
+            assert torch.equal(batched[b], logits[b].argmax(-1))
+
+
+def test_per_request_process_logprobs_matches_the_scalar_one():
+    logits = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    temperature, top_p = [0.5, 1.0, 1.7], [1.0, 0.6, 0.95]
+    batched = process_logprobs(logits, torch.tensor(temperature)[:, None, None], torch.tensor(top_p)[:, None, None])
+    for b in range(3):
+        torch.testing.assert_close(batched[b], process_logprobs(logits[b], temperature[b], top_p[b]), rtol=0, atol=1e-6)
+        assert torch.equal(torch.isinf(batched[b]), torch.isinf(process_logprobs(logits[b], temperature[b], top_p[b])))
+
+
+def test_choices_follow_the_processed_distribution():
+    """20k rows at distinct output indices: the choices' histogram is the tempered nucleus distribution."""
+    n, vocab = 20_000, 8
+    row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    logits = row.expand(1, n, vocab)
+    spec = SamplingSpec(temperature=0.7, top_p=0.9, seed=123)
+    choices = target_choices(logits, torch.arange(n)[None], torch.tensor([40]), [spec])[0]
+    p = process_logprobs(row, 0.7, 0.9).exp()
+    counts = torch.bincount(choices, minlength=vocab)
+    kept = p > 0
+    assert counts[~kept].sum() == 0 and 0 < kept.sum() < vocab
+    assert chisquare(counts[kept].numpy(), (p[kept] * n).numpy()).pvalue > 1e-3
+    assert (counts / n - p).abs().max() < 0.015
+
+
+# ------------------------------------------------------------------ counter-based Gumbel noise
+
+
+def test_gumbel_noise_is_the_batched_noise():
+    seeds = [0, 7, -1, (1 << 70) + 3]
+    indices = [[0, 1, 2], [5, 5, 10**6], [3, 2, 1], [17, 0, (1 << 32) - 1]]
+    batched = batched_gumbel_noise(seed_tensor(seeds), torch.tensor(indices), 300)
+    assert batched.shape == (4, 3, 300) and batched.dtype == torch.float32
+    for b, s in enumerate(seeds):
+        for r, i in enumerate(indices[b]):
+            assert torch.equal(gumbel_noise(s, i, 300), batched[b, r])
+    assert torch.equal(batched[1, 0], batched[1, 1])  # keyed by (seed, index) alone
+    assert torch.equal(gumbel_noise(0, 4, 10), gumbel_noise(0, 4, 300)[:10])  # and vocab id: V only truncates
+
+
+def test_choices_add_the_batched_noise():
+    """``target_choices`` (request keys hashed on the host) uses exactly ``batched_gumbel_noise``."""
+    seeds = [0, -5, (1 << 70) + 3, (1 << 63) - 1]
+    specs = [SamplingSpec(0.9, 1.0, s) for s in seeds]
+    logits = torch.randn(4, 6, 100, generator=torch.Generator().manual_seed(1))
+    depths, next_index = torch.tensor([[0, 1, 1, 2, 3, 3]] * 4), torch.tensor([0, 9, 10**6, 3])
+    noise = batched_gumbel_noise(seed_tensor(seeds), depths + next_index[:, None], 100)
+    want = (process_logprobs(logits, 0.9) + noise).argmax(-1)
+    assert torch.equal(target_choices(logits, depths, next_index, specs), want)
+
+
+def test_noise_hash_is_pinned():
+    """The hash fixes every seeded output: a change to it must be deliberate (these are its first words)."""
+    u = counter_uniforms(seed_tensor([0, (1 << 70) + 3]), torch.tensor([[0], [17]]), 4)
+    assert (u * 2**32 - 0.5).long().tolist() == PINNED_HASHES
+
+
+PINNED_HASHES = [[[1106484830, 1589185447, 1244000336, 955304702]], [[1021330785, 2938906694, 1316183027, 1789670454]]]
+
+
+def test_uniforms_are_open_unit_and_distinct():
+    seeds, n_index, vocab = [0, 1, 2, 3], 64, 1024
+    u = counter_uniforms(seed_tensor(seeds), torch.arange(n_index).expand(len(seeds), n_index), vocab)
+    assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+    assert abs(float(u.mean()) - 0.5) < 0.005
+    flat = u.reshape(-1, vocab)
+    # neighbouring (seed, index) pairs: no two rows agree anywhere beyond chance (2**-32 per element)
+    same = (flat[:, None, :] == flat[None, :, :]).sum(-1) - torch.eye(flat.shape[0], dtype=torch.long) * vocab
+    assert int(same.sum()) <= 4
+    assert flat.numel() - flat.unique().numel() < 64  # birthday bound for 2**18 32-bit values: ~8
+    # adjacent indices and adjacent vocab ids are uncorrelated
+    for x, y in ((u[:, 1:], u[:, :-1]), (u[..., 1:], u[..., :-1])):
+        assert abs(float(torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1])) < 0.01
+
+
+def test_gumbel_moments():
+    g = batched_gumbel_noise(seed_tensor([9, 10]), torch.arange(200).expand(2, 200), 1000).double()
+    assert abs(float(g.mean()) - 0.5772157) < 0.01 and abs(float(g.var()) - torch.pi**2 / 6) < 0.03
+
+
+@pytest.mark.parametrize("over", ["indices", "seeds"])
+def test_gumbel_max_samples_the_softmax(over):
+    n, vocab = 20_000, 6
+    logp = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -2.0]), -1)
+    if over == "indices":
+        noise = batched_gumbel_noise(seed_tensor([31]), torch.arange(n)[None], vocab)[0]
+    else:
+        noise = batched_gumbel_noise(seed_tensor(list(range(n))), torch.full((n, 1), 7), vocab)[:, 0]
+    counts = torch.bincount((logp + noise).argmax(-1), minlength=vocab)
+    assert chisquare(counts.numpy(), (logp.exp() * n).numpy()).pvalue > 1e-3
+    assert (counts / n - logp.exp()).abs().max() < 0.015
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    """Uniforms bit for bit, noise to a float32 ulp on rare elements, and the whole device path on CUDA with no
+    counted transfer, equal to the CPU result."""
+    seeds, indices = seed_tensor([1, 2, (1 << 62) + 5]), torch.randint(0, 1 << 20, (3, 64))
+    assert torch.equal(counter_uniforms(seeds, indices, 50_000), counter_uniforms(seeds, indices.cuda(), 50_000).cpu())
+    cpu, gpu = batched_gumbel_noise(seeds, indices, 50_000), batched_gumbel_noise(seeds, indices.cuda(), 50_000).cpu()
+    differ = cpu != gpu
+    assert int(differ.sum()) <= 5 and torch.equal(torch.nextafter(cpu, gpu)[differ], gpu[differ])
+    rng = random.Random(0)
+    specs = random_specs(rng, 8)
+    tokens, parents, depths, logits, next_index = random_batch(rng, 8, 32, 8, 5000, specs)
+    on = [t.cuda() for t in (tokens, parents, depths, logits)]
+    with count_host_transfers() as counter:
+        walk = verify_tree(*on, next_index, specs, max_depth=8)
+    assert counter.total == 0, counter.calls
+    assert walk.committed_tokens.is_cuda
+    want = verify_tree(tokens, parents, depths, logits, next_index, specs, max_depth=8)
+    assert_same_walk(want, WalkResult(*(t.cpu() for t in (walk.accepted_rows, walk.accept_lens, walk.bonus,
+                                                          walk.committed_tokens))))
