@@ -81,3 +81,16 @@ def test_loss_falls_and_resume(distilled, tmp_path):
     resumed: list[int] = []
     train_drafter(target, data, tmp_path / "d", cfg, progress=False, on_log=lambda s, r: resumed.append(s))
     assert resumed == list(range(30, 60))
+
+
+def test_distilled_answers_stop_before_a_vision_placeholder_token():
+    """A sampled answer can contain the image / video placeholder id; fed back through the processor it would
+    be an image slot without features, so the answer is cut there."""
+    from types import SimpleNamespace
+
+    from glance_sgl.train.data import _before_vision_placeholders
+
+    target = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(image_token_id=5, video_token_id=6)))
+    assert _before_vision_placeholders([9, 8, 5, 7], target) == [9, 8]
+    assert _before_vision_placeholders([9, 6], target) == [9]
+    assert _before_vision_placeholders([9, 8, 7], target) == [9, 8, 7]

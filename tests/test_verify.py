@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from host_transfers import count_host_transfers
 from scipy.stats import chisquare
 
+from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.tree import build_tree, topk_per_offset
 from glance_sgl.verify import (
     SamplingSpec,

@@ -29,6 +29,7 @@ the request's until it finishes. The result's token rows keep the stride ``N`` w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -47,6 +48,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 import glance_kernels
 from glance_sgl.drafter import GlanceDrafter, draft_logprobs
+from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.planner import calibrate, cost_key, default_row_grid, save_costs
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
@@ -179,6 +181,13 @@ class GlanceWorker(BaseSpecWorker):
         # per live request: the entropy (nats) of the target distribution that produced its newest token
         self.lead: dict[str, float | None] = {}
         self._profile = os.environ.get("GLANCE_SGL_PROFILE", "") not in ("", "0")
+        # the decode step on the device (tree, walk, commits: no host copy of logits or trees): always on CUDA;
+        # on a CPU the host heap and walk are faster, and GLANCE_SGL_DEVICE_STEP=1 runs the device code there
+        self.device_step = self.device_is_cuda or os.environ.get("GLANCE_SGL_DEVICE_STEP", "") == "1"
+        self._count_reads = os.environ.get("GLANCE_SGL_COUNT_HOST_READS", "") == "1"
+        self._last_rows = 0
+        self._calibrated_now = False
+        self._counter = None  # the host-read counter of the step being counted
         self.planner_mode, seed = planner_mode_from_env()
         key = cost_key("sglang", str(self.device), torch.cuda.get_device_name(self.device) if self.device_is_cuda
                        else "cpu", spec.speculative_draft_model_path, self.model_runner.model_config.model_path,
@@ -341,7 +350,7 @@ class GlanceWorker(BaseSpecWorker):
         cache = self.draft_context(batch, seq_lens_cpu)
         logits = self.drafter.draft_block(cache, roots, context_len=max(seq_lens_cpu))[:, : self.max_depth]
         values, ids = topk_per_offset(draft_logprobs(logits), self.branch_k)
-        if roots.is_cuda:  # the same tree built on device (Triton), no host round trip
+        if roots.is_cuda or self.device_step:  # the same tree built on device (Triton), no host round trip
             t = glance_kernels.budget_tree(values, ids, roots, self.budget)
             return DraftTree(t.tokens, t.parents, t.depths, t.scores)
         return build_tree(values, ids, roots, self.budget)  # on the host the heap is the fastest
@@ -406,6 +415,21 @@ class GlanceWorker(BaseSpecWorker):
         return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
 
     def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
+        if not self._count_reads:
+            return self._decode_step(batch, on_publish, pp_proxy_tensors)
+        self._calibrated_now = False
+        with count_host_transfers() as counter:
+            self._counter = counter
+            try:
+                out = self._decode_step(batch, on_publish, pp_proxy_tensors)
+            finally:
+                self._counter = None
+        if not self._calibrated_now:  # a calibration step runs many passes: not a decode step's count
+            logger.warning("GLANCE host reads bs=%d rows=%d: %d %s", len(batch.reqs), self._last_rows,
+                           counter.total, dict(sorted(counter.calls.items())))
+        return out
+
+    def _decode_step(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         t_start = time.perf_counter()
         prof = _Profile(self._profile)
         bs = len(batch.reqs)
@@ -419,6 +443,7 @@ class GlanceWorker(BaseSpecWorker):
                                          else seq_lens.tolist())]
         roots = self._roots(batch)
         if self._maybe_calibrate(batch, rids, roots, seq_lens_cpu, pp_proxy_tensors):
+            self._calibrated_now = True
             t_start = time.perf_counter()  # the calibration is not this step's host work
             prof = _Profile(self._profile)
         lead = [self.lead.get(r) for r in rids]
@@ -435,17 +460,18 @@ class GlanceWorker(BaseSpecWorker):
         t1 = time.perf_counter()
         prof.mark("draft" if drafted else "no_draft")
 
-        result, logits, taps = self._pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
+        # SGLang's forward (attention backend, sampler bookkeeping) is not this step's to bound
+        with self._counter.paused() if self._counter is not None else contextlib.nullcontext():
+            result, logits, taps = self._pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
         t2 = time.perf_counter()
         prof.mark(f"target[{tree.num_rows}]")
 
         specs = [sampling_spec(req) for req in batch.reqs]
-        next_index = torch.tensor([len(req.output_ids) for req in batch.reqs])
-        host_logits = logits.float().cpu()
-        walk = verify_tree(tree.tokens.cpu(), tree.parents.cpu(), tree.depths.cpu(), host_logits, next_index,
-                           specs)
-        accepted = walk.accept_lens  # drafted nodes accepted, bonus excluded
-        committed = walk.committed(tree.tokens.cpu())
+        next_index = torch.tensor([len(req.output_ids) for req in batch.reqs], device=self.device)
+        # the walk where the logits are (no host copy of [bs, R, V]); on a CPU the host-list walk for small batches
+        walk = verify_tree(tree.tokens, tree.parents, tree.depths, logits, next_index, specs,
+                           max_depth=min(self.max_depth, tree.num_rows - 1), device_resident=self.device_step)
+        accepted = walk.accept_lens.to(self.device)  # drafted nodes accepted, bonus excluded
         prof.mark("walk")
 
         if tree.num_rows > 1:  # accepted rows' K/V to the front of each verify window (root first)
@@ -455,8 +481,8 @@ class GlanceWorker(BaseSpecWorker):
                                       seq_lens.long(), walk.accepted_rows.to(self.device))
         self._write_committed(batch, taps, walk.accepted_rows, accepted + 1)
         # the next round's lead entropies: the rows whose target distribution produced the bonus tokens
-        last = walk.accepted_rows.gather(1, accepted[:, None]).squeeze(1)
-        self.lead.update(zip(rids, entropies_nats(host_logits[torch.arange(bs), last])))
+        last = walk.accepted_rows.to(self.device).gather(1, accepted[:, None]).squeeze(1)
+        self.lead.update(zip(rids, entropies_nats(logits[torch.arange(bs, device=self.device), last])))
         self.planner.observe(rids, plan, lead, accepted.tolist(), tree if drafted else None,
                              walk if drafted else None)
         prof.mark("kv+stash+plan")
@@ -464,14 +490,12 @@ class GlanceWorker(BaseSpecWorker):
             prof.parts.append(f"accepted={accepted.tolist()} lead={[None if h is None else round(h, 2) for h in lead]}")
 
         accept_lens = (accepted + 1).to(torch.int32)
-        accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32)
-        for b, toks in enumerate(committed):
-            accept_tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
-        accept_tokens = accept_tokens.to(self.device)
+        width = min(walk.committed_tokens.shape[1], self.draft_token_num)
+        accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
+        accept_tokens[:, :width] = walk.committed_tokens[:, :width].to(self.device, torch.int32)
         if batch.return_logprob:
             self._spec_logprobs(batch, result.logits_output, walk.accepted_rows, accept_tokens, tree.num_rows)
         accept_tokens = accept_tokens.flatten()
-        accept_lens = accept_lens.to(self.device)
         new_seq_lens = seq_lens + accept_lens
         batch.forward_mode = ForwardMode.DECODE
 
@@ -486,6 +510,7 @@ class GlanceWorker(BaseSpecWorker):
         else:
             self._last_ar_host_ms = host_ms
         self.stats.record(bs, tree.num_rows if drafted else 0)
+        self._last_rows = tree.num_rows if drafted else 0
         prof.done(bs)
         self._last_decode_end = time.perf_counter()
         return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens, new_seq_lens,

@@ -47,14 +47,24 @@ def with_answer(prompt: PreparedPrompt, answer_ids: list[int]) -> PreparedPrompt
     return PreparedPrompt(inputs=inputs, num_images=prompt.num_images)
 
 
+def _before_vision_placeholders(answer: list[int], target: TargetAdapter) -> list[int]:
+    """The answer up to its first image / video placeholder token (a sampled answer can contain one): fed back
+    through the processor's prefill, such a token would be taken for an image slot without image features."""
+    cfg = target.model.config
+    placeholders = {t for t in (getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None))
+                    if t is not None}
+    cut = next((i for i, t in enumerate(answer) if t in placeholders), len(answer))
+    return answer[:cut]
+
+
 @torch.no_grad()
 def distill_one(engine: GlanceEngine, messages: list[dict[str, Any]], taps: list[int],
                 max_new_tokens: int, temperature: float,
                 seed: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(ids [T], taps [T, L*H], answer_start) for one request answered by the target (greedy at temperature 0)."""
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    answer = engine.generate(messages, params, mode="ar").token_ids
     target: TargetAdapter = engine.target
+    answer = _before_vision_placeholders(engine.generate(messages, params, mode="ar").token_ids, target)
     prompt = target.prepare(messages)
     full = with_answer(prompt, answer)
     _, rows = target.prefill(full, taps=taps)

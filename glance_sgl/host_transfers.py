@@ -1,4 +1,5 @@
-"""Count device-to-host transfers made through tensor methods, for tests that bound them.
+"""Count device-to-host transfers made through tensor methods: tests bound them, and the SGLang worker logs them
+per decode step with ``GLANCE_SGL_COUNT_HOST_READS=1``.
 
 ``HostTransferCounter`` is a ``TorchFunctionMode``: tensor method calls go through it (torch 2.x dispatches these
 C- and Python-implemented methods to active modes; ``tests/test_verify.py`` checks each one). Counted: ``item``,
@@ -42,9 +43,20 @@ class HostTransferCounter(TorchFunctionMode):
     def total(self) -> int:
         return sum(self.calls.values())
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Reads inside are not counted (e.g. another component's code the bound is not about)."""
+        self._paused, before = True, getattr(self, "_paused", False)
+        try:
+            yield
+        finally:
+            self._paused = before
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in HOST_READS:
+        if getattr(self, "_paused", False):
+            pass
+        elif func in HOST_READS:
             self.calls[func.__name__] += 1
         elif func is torch.Tensor.to and _to_host(args[0], args[1:], kwargs):
             self.calls["to"] += 1
