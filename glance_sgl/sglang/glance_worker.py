@@ -492,7 +492,7 @@ class GlanceWorker(BaseSpecWorker):
         accept_lens = (accepted + 1).to(torch.int32)
         width = min(walk.committed_tokens.shape[1], self.draft_token_num)
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
-        accept_tokens[:, :width] = walk.committed_tokens[:, :width].to(self.device, torch.int32)
+        accept_tokens[:, :width] = walk.committed_tokens[:, :width].clamp(min=0).to(self.device, torch.int32)
         if batch.return_logprob:
             self._spec_logprobs(batch, result.logits_output, walk.accepted_rows, accept_tokens, tree.num_rows)
         accept_tokens = accept_tokens.flatten()

@@ -26,10 +26,13 @@ def test_chat_through_sglang_backend_matches_embedded(gateway, sglang_gateway):
     assert proxied.usage.prompt_tokens == direct.usage.prompt_tokens
     g, d = proxied.model_extra["glance"], direct.model_extra["glance"]
     assert g["backend"] == "sglang" and g["mode"] == "glance"
-    # SGLang's meta_info mapped back onto the same metrics
-    for key in ("rounds", "drafted_tokens", "accepted_tokens", "decode_tokens", "tau"):
-        assert g[key] == pytest.approx(d[key]), key
-    assert g["acceptance_histogram"] == d["acceptance_histogram"][: len(g["acceptance_histogram"])]
+    # SGLang's meta_info mapped back onto the same metrics. The planner learns across requests (its probe
+    # back-off, entropy table and calibration), so the second run of the same request may draft differently:
+    # the tokens are the same, and the mapped metrics must be consistent with each other
+    assert g["decode_tokens"] == d["decode_tokens"]
+    assert g["rounds"] >= 1 and 0 <= g["accepted_tokens"] <= g["drafted_tokens"]
+    assert g["rounds"] + g["accepted_tokens"] >= g["decode_tokens"]  # each round commits accepted + 1 at most
+    assert sum(g["acceptance_histogram"]) == g["rounds"]
     assert g["committed_per_round"] is None  # SGLang does not report it
     assert g["rows_histogram"] is None and g["planner"] is None  # nor the rows or the planner of its rounds
     assert g["prefill_ms"] >= 0 and g["decode_ms"] >= 0
