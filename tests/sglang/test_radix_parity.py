@@ -7,9 +7,19 @@ multi-turn image chats (the second turn repeats the first turn's image, question
 shared by all, and the first turns sent again. Chunked prefill splits prompts into 48-token chunks; a small KV
 pool and SGLang's own retraction test mode (``SGLANG_TEST_RETRACT``: retract running requests every few steps)
 make requests leave and re-enter mid-generation, re-prefilled from the cache.
+
+The same engine runs the device-resident decode step on the CPU (``GLANCE_SGL_DEVICE_STEP=1``: tree by
+``glance_kernels.budget_tree``, walk and seeded sampling by ``glance_sgl.verify``'s tensor path, commits and draft
+K/V writes as tensor ops), under the random test planner (``GLANCE_PLANNER=random``: every tree size and plain AR
+steps), and counts every decode step's host reads (``GLANCE_SGL_COUNT_HOST_READS=1``, ``glance_sgl.host_transfers``;
+SGLang's own target forward is not counted): a few per step, the same at every batch and tree size; that the
+tensor walk reads nothing at any vocabulary is ``tests/test_verify.py``'s.
 """
 
 from __future__ import annotations
+
+import re
+from collections import defaultdict
 
 import pytest
 import torch
@@ -22,6 +32,8 @@ MAX_TOKENS = 16
 SYSTEM = "You are a careful assistant. Look at the picture before you answer."
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 RETRACT = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"}
+HOST_READS = re.compile(r"GLANCE host reads bs=(\d+) rows=(\d+): (\d+) ")
+READS_BOUND = 8  # host reads per decode step (today: 3 for an AR step, 5 to 7 for a drafting one)
 SETTINGS = dict(chunked_prefill_size=48, max_total_tokens=2048, context_length=512, disable_radix_cache=False)
 
 
@@ -62,8 +74,10 @@ def run(checkpoints, tmp_path_factory):
     target, drafter, _ = checkpoints
     logs = tmp_path_factory.mktemp("radix_logs")
     env = {**STRICT, **RETRACT}
-    glance = EngineProcess(cpu_engine_kwargs(target, drafter, **SETTINGS), env=env, log_path=logs / "glance.log",
-                           wait=False)
+    device_step = {"GLANCE_SGL_DEVICE_STEP": "1", "GLANCE_SGL_COUNT_HOST_READS": "1", "GLANCE_PLANNER": "random:3",
+                   "GLANCE_COST_CACHE": str(logs / "costs")}
+    glance = EngineProcess(cpu_engine_kwargs(target, drafter, **SETTINGS), env={**env, **device_step},
+                           log_path=logs / "glance.log", wait=False)
     plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None, **SETTINGS), env=env,
                           log_path=logs / "plain.log", wait=False)
     threads = torch.get_num_threads()
@@ -107,3 +121,17 @@ def test_the_cache_was_hit_requests_were_retracted_and_nothing_leaked(run):
     log = (run["logs"] / "glance.log").read_text()
     assert "Retract requests" in log or "Testing retraction" in log
     assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
+
+
+def test_device_step_host_reads_are_few_and_independent_of_batch_and_tree_size(run):
+    counts = defaultdict(set)  # drafted? -> read counts seen
+    seen_bs, seen_rows = set(), set()
+    log = (run["logs"] / "glance.log").read_text()
+    for bs, rows, total in (map(int, m.groups()) for m in HOST_READS.finditer(log)):
+        counts[rows > 0].add(total)
+        seen_bs.add(bs)
+        seen_rows.add(rows)
+    assert len(seen_bs) >= 3 and len(seen_rows) >= 5, (seen_bs, seen_rows)  # the step shapes did vary
+    assert counts[False] and counts[True]  # AR steps and drafting steps both ran
+    assert max(max(v) for v in counts.values()) <= READS_BOUND, dict(counts)
+    assert all(len(v) <= 2 for v in counts.values()), dict(counts)  # the same few reads whatever the shape
