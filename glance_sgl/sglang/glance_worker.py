@@ -13,18 +13,21 @@ algorithm (``glance_sgl.drafter`` / ``tree`` / ``verify`` and ``glance_kernels``
   drafts: the batch's drafter context is gathered from the draft KV pool through ``req_to_token``, one drafter
   pass for every request's block ``[root, MASK x (B-1)]``, the best-first tree at the full budget (``N - 1``
   nodes, ``N = --speculative-num-draft-tokens``), and ``planner.choose`` keeps its first ``nodes + 1`` rows
-  (0 nodes: the root alone). If not: a plain AR step, SGLang's own DECODE forward of the root (the batch shown to it as a non-speculative decode batch for that forward). A tree of R > 1 rows
-  gets the TARGET_VERIFY input (FULL mask, positions ``prefix + depth``; SGLang adds the M-RoPE delta); either
-  way the pass writes the first R of the N KV slots SGLang reserved per request after its prefix. Then the
-  walk (greedy at T = 0, seeded lossless sampling at T > 0), the accepted rows' K/V moved to the front
+  (0 nodes: the root alone). If not: a plain AR step, SGLang's own DECODE forward of the root (the batch shown
+  to it as a non-speculative decode batch for that forward). A tree of R > 1 rows gets the TARGET_VERIFY input
+  (FULL mask, positions ``prefix + depth``; SGLang adds the M-RoPE delta); either way the pass writes the first
+  R of the N KV slots SGLang reserved per request after its prefix. Then the walk where the logits are (greedy
+  at T = 0, seeded lossless sampling at T > 0; ``glance_sgl.verify``), the accepted rows' K/V moved to the front
   of the verify window (``glance_kernels.compact_kv``), the committed rows' draft K/V written at those slots,
-  the bonus rows' entropies as the next lead entropies, the planner's feedback (acceptance and measured ms), and a
-  ``GenerationBatchResult`` whose accept lengths include the bonus token (an AR step is a verify step with
-  accept length 1; SGLang fills ``spec_verify_ct``, ``spec_accept_length``... in ``meta_info``).
+  the bonus rows' entropies as the next lead entropies, the planner's feedback (acceptance and measured ms),
+  and a ``GenerationBatchResult`` whose accept lengths include the bonus token (an AR step is a verify step
+  with accept length 1; SGLang fills ``spec_verify_ct``, ``spec_accept_length``... in ``meta_info``). On CUDA
+  (or with ``GLANCE_SGL_DEVICE_STEP=1``) tree, walk and commits stay on the device: a step reads a few numbers
+  per batch on the host (the planner's), never logits or trees.
 
 KV accounting does not depend on R: SGLang reserves at least ``N`` tokens of headroom per request for every
-speculative step (``eagle_prepare_for_decode``) and commits ``accept_lens`` tokens per step; the unused reserved slots stay
-the request's until it finishes. The result's token rows keep the stride ``N`` whatever R was.
+speculative step (``eagle_prepare_for_decode``) and commits ``accept_lens`` tokens per step; the unused reserved
+slots stay the request's until it finishes. The result's token rows keep the stride ``N`` whatever R was.
 """
 
 from __future__ import annotations
