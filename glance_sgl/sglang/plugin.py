@@ -34,9 +34,9 @@ Environment of the server / engine process (read by the worker at start-up):
 
 The radix cache stays on: the drafter's context K/V live in a draft KV pool addressed by SGLang's token slots
 (``draft_pool.py``), so a prefix hit shares them with the target's K/V; that pool's bytes per token are budgeted
-with the target's (a HookRegistry hook on SGLang's pool sizing). Forced: no mixed chunked prefill, no overlap scheduling (the worker is synchronous), and
-``disable_cuda_graph`` (capture of the verify pass through SGLang's dummy-verify-input hooks is not implemented
-yet; a warning says so when CUDA graphs were on).
+with the target's (a HookRegistry hook on SGLang's pool sizing). Forced: no mixed chunked prefill, no overlap
+scheduling (the worker is synchronous), and ``disable_cuda_graph`` (capture of the verify pass through SGLang's
+dummy-verify-input hooks is not implemented yet; a warning says so when CUDA graphs were on).
 """
 
 from __future__ import annotations
