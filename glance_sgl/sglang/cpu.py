@@ -6,12 +6,14 @@ A development and CI mode, loaded only when the device is the CPU:
   ``TorchNativeAttnBackend`` and adds the TARGET_VERIFY pass: per request, SDPA of the ``n`` verify rows over
   ``req_to_token[r, :L + n]`` with the speculative input's FULL custom mask (``[n, L + n]`` per request).
   Select it with ``--attention-backend glance_cpu`` (``--device cpu``).
-- torch versions of the speculative bookkeeping ops that SGLang imports from the CUDA-only ``sgl_kernel``
-  (``reconstruct_indices_from_tree_mask``, ``verify_tree_greedy``), installed when this backend is built on a
-  CPU (so SGLang's own NGRAM also runs here, for the benchmark). GLANCE's worker itself needs none of them:
-  it uses ``glance_sgl.verify`` and ``glance_kernels``.
-- ``vllm._custom_ops`` stand-in: SGLang's rotary embedding imports ``rotary_embedding`` from it off CUDA and
-  never calls it on the CPU path.
+- torch versions of the speculative bookkeeping ops that SGLang runs as Triton / ``sgl_kernel`` code
+  (``assign_req_to_token_pool``, the cache-location fills, ``verify_tree_greedy``...), and the CPU KV pool's
+  warm-up without Triton: SGLang HookRegistry AROUND hooks (:func:`register_cpu_hooks`) that take the torch port
+  for CPU tensors and SGLang's own function for any other device (so SGLang's own NGRAM also runs here, for the
+  benchmark). GLANCE's worker itself needs none of them: it uses ``glance_sgl.verify`` and ``glance_kernels``;
+- module stand-ins where SGLang imports a CUDA-only module at import time, which no hook can precede: a
+  ``vllm._custom_ops`` (SGLang's rotary embedding imports ``rotary_embedding`` from it off CUDA and never calls it
+  on the CPU path) and an ``sgl_kernel.speculative`` holding only ``reconstruct_indices_from_tree_mask``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "glance_cpu"
-_installed_ops = False
 
 
 def install_vllm_stub() -> None:
@@ -136,25 +137,6 @@ def fill_accept_out_cache_loc(accept_index, out_cache_loc, accept_out_cache_loc,
     accept_out_cache_loc[: idx.numel()] = out_cache_loc[idx].to(accept_out_cache_loc.dtype)
 
 
-def _wrap_cpu(module, name: str, cpu_impl, tensor_arg: int = 1) -> bool:
-    """Replace ``module.name`` by a function that runs ``cpu_impl`` on CPU tensors, the original elsewhere."""
-    original = getattr(module, name, None)
-    if original is None or getattr(original, "__glance_cpu__", False):
-        return False
-
-    def wrapper(*args, **kwargs):
-        probe = args[tensor_arg] if len(args) > tensor_arg else next(
-            (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        if isinstance(probe, torch.Tensor) and probe.device.type == "cpu":
-            return cpu_impl(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    wrapper.__glance_cpu__ = True
-    wrapper.__wrapped__ = original
-    setattr(module, name, wrapper)
-    return True
-
-
 def install_sgl_kernel_stub() -> bool:
     """On a machine with neither CUDA nor ``sgl_kernel``: a stand-in ``sgl_kernel.speculative`` holding only the
     torch port of ``reconstruct_indices_from_tree_mask``, which SGLang's NGRAM modules import at import time.
@@ -174,57 +156,73 @@ def install_sgl_kernel_stub() -> bool:
     return True
 
 
-def install_cpu_ops() -> None:
-    """Point SGLang's speculative helpers at the torch ports above (idempotent; CPU processes only)."""
-    global _installed_ops
-    if _installed_ops:
-        return
-    _installed_ops = True
+def verify_tree_greedy_port(predicts, accept_index, accept_token_num, candidates, retrieve_index,
+                            retrieve_next_token, retrieve_next_sibling, target_predict, topk=-1):
+    """``eagle_utils.verify_tree_greedy_func``'s contract (outputs in place, returned) on the torch port."""
+    verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrieve_index, retrieve_next_token,
+                       retrieve_next_sibling, target_predict)
+    return predicts, accept_index, accept_token_num
+
+
+# SGLang's speculative bookkeeping functions and their torch ports: (module, function, port, index of the
+# argument whose device decides). Every module that imported a function by name is listed: each holds its own
+# reference.
+CPU_PORTS = (
+    ("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool_func", assign_req_to_token_pool, 1),
+    ("sglang.srt.speculative.spec_utils", "assign_req_to_token_pool_func", assign_req_to_token_pool, 1),
+    ("sglang.kernels.ops.speculative.cache_locs", "fill_front_out_cache_loc_func", fill_front_out_cache_loc, 0),
+    ("sglang.srt.speculative.spec_utils", "fill_front_out_cache_loc_func", fill_front_out_cache_loc, 0),
+    ("sglang.kernels.ops.speculative.eagle", "fill_accept_out_cache_loc_func", fill_accept_out_cache_loc, 0),
+    ("sglang.srt.speculative.spec_utils", "fill_accept_out_cache_loc_func", fill_accept_out_cache_loc, 0),
+    ("sglang.kernels.ops.speculative.cache_locs", "assign_extend_cache_locs_func", assign_extend_cache_locs, 0),
+    ("sglang.srt.speculative.ngram_worker", "assign_extend_cache_locs_func", assign_extend_cache_locs, 0),
+    ("sglang.srt.speculative.eagle_utils", "verify_tree_greedy_func", verify_tree_greedy_port, 0),
+)
+
+
+def _on_cpu(args: tuple, kwargs: dict, tensor_arg: int) -> bool:
+    probe = args[tensor_arg] if len(args) > tensor_arg else next(
+        (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    return isinstance(probe, torch.Tensor) and probe.device.type == "cpu"
+
+
+def _port_hook(port, tensor_arg: int):
+    """An AROUND hook: the torch port for CPU tensors, SGLang's own function elsewhere."""
+    def around(original, *args, **kwargs):
+        if _on_cpu(args, kwargs, tensor_arg):
+            return port(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    around.__glance_cpu__ = True
+    return around
+
+
+def _kv_pool_warmup_hook(original, pool, *args, **kwargs):
+    """AROUND ``MHATokenToKVPool._init_kv_copy_and_warmup``: a CPU pool skips SGLang's Triton KV-copy warm-up and
+    moves KV with torch indexing (``SGLANG_NATIVE_MOVE_KV_CACHE``); pools on other devices are untouched."""
+    if torch.device(pool.device).type != "cpu":
+        return original(pool, *args, **kwargs)
     os.environ.setdefault("SGLANG_NATIVE_MOVE_KV_CACHE", "1")
-    patched = []
-    from sglang.srt.mem_cache import allocation
-    from sglang.srt.speculative import spec_utils
+    pool.use_native_move_kv_cache = True
+    pool._kv_copy_config = None
+    return None
 
-    for mod in (allocation, spec_utils):
-        if _wrap_cpu(mod, "assign_req_to_token_pool_func", assign_req_to_token_pool):
-            patched.append(f"{mod.__name__}.assign_req_to_token_pool_func")
-    from sglang.kernels.ops.speculative import cache_locs, eagle
 
-    for mod in (cache_locs, spec_utils):
-        if _wrap_cpu(mod, "fill_front_out_cache_loc_func", fill_front_out_cache_loc, tensor_arg=0):
-            patched.append(f"{mod.__name__}.fill_front_out_cache_loc_func")
-    for mod in (eagle, spec_utils):
-        if _wrap_cpu(mod, "fill_accept_out_cache_loc_func", fill_accept_out_cache_loc, tensor_arg=0):
-            patched.append(f"{mod.__name__}.fill_accept_out_cache_loc_func")
-    if install_sgl_kernel_stub():
-        patched.append("reconstruct_indices_from_tree_mask")
-    try:
-        from sglang.srt.speculative import ngram_worker
+def register_cpu_hooks() -> None:
+    """The CPU mode's changes to SGLang's functions, as SGLang HookRegistry AROUND hooks (applied by
+    ``load_plugins``, idempotent): the torch ports of the speculative bookkeeping ops (chosen per call by the
+    tensors' device, so a GPU process keeps SGLang's kernels) and the CPU KV pool's warm-up."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        for mod in (cache_locs, ngram_worker):
-            if _wrap_cpu(mod, "assign_extend_cache_locs_func", assign_extend_cache_locs, tensor_arg=0):
-                patched.append(f"{mod.__name__}.assign_extend_cache_locs_func")
-    except Exception as exc:  # pragma: no cover - depends on the SGLang build
-        logger.warning("glance cpu: assign_extend_cache_locs not patched: %s", exc)
-    try:
-        from sglang.srt.speculative import eagle_utils
+    def register(target: str, hook) -> None:
+        if not any(getattr(h, "__glance_cpu__", False) for _, h, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, hook, HookType.AROUND)
 
-        _orig_verify = eagle_utils.verify_tree_greedy_func
-
-        def _verify(predicts, accept_index, accept_token_num, candidates, retrieve_index, retrieve_next_token,
-                    retrieve_next_sibling, target_predict, topk=-1):
-            if predicts.device.type != "cpu":
-                return _orig_verify(predicts, accept_index, accept_token_num, candidates, retrieve_index,
-                                    retrieve_next_token, retrieve_next_sibling, target_predict, topk)
-            verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrieve_index,
-                               retrieve_next_token, retrieve_next_sibling, target_predict)
-            return predicts, accept_index, accept_token_num
-
-        eagle_utils.verify_tree_greedy_func = _verify
-        patched.append("verify_tree_greedy")
-    except Exception as exc:  # pragma: no cover
-        logger.warning("glance cpu: verify_tree_greedy not patched: %s", exc)
-    logger.info("glance cpu ops installed: %s", patched)
+    for module, name, port, tensor_arg in CPU_PORTS:
+        register(f"{module}.{name}", _port_hook(port, tensor_arg))
+    _kv_pool_warmup_hook.__glance_cpu__ = True
+    register("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup", _kv_pool_warmup_hook)
+    HookRegistry.apply_hooks()  # idempotent; also when registered outside load_plugins (tests, scripts)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -236,7 +234,6 @@ def _make_backend_class():
 
         def __init__(self, model_runner):
             super().__init__(model_runner)
-            install_cpu_ops()
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
             if not forward_batch.forward_mode.is_target_verify():
@@ -295,24 +292,3 @@ def register_cpu_backend() -> None:
         logger.warning("glance cpu: could not add %s to the attention-backend choices: %s", BACKEND_NAME, exc)
 
 
-def install_kv_pool_patch() -> None:
-    """On a CPU KV pool, skip SGLang's Triton KV-copy warm-up and move KV with torch indexing
-    (``SGLANG_NATIVE_MOVE_KV_CACHE``); this is also where a CPU process installs the torch ops above.
-    Pools on other devices are untouched (idempotent)."""
-    from sglang.srt.mem_cache import memory_pool as mp
-
-    cls = mp.MHATokenToKVPool
-    if getattr(cls._init_kv_copy_and_warmup, "__glance_cpu__", False):
-        return
-    original = cls._init_kv_copy_and_warmup
-
-    def _init_kv_copy_and_warmup(self):
-        if torch.device(self.device).type == "cpu":
-            install_cpu_ops()
-            self.use_native_move_kv_cache = True
-            self._kv_copy_config = None
-            return
-        return original(self)
-
-    _init_kv_copy_and_warmup.__glance_cpu__ = True
-    cls._init_kv_copy_and_warmup = _init_kv_copy_and_warmup

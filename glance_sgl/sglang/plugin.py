@@ -216,5 +216,5 @@ def register_all() -> None:
         register_algorithm()
         install_memory_accounting()
         cpu.register_cpu_backend()
-        cpu.install_kv_pool_patch()
+        cpu.register_cpu_hooks()
         register_model()

@@ -21,9 +21,10 @@ sglang = pytest.importorskip("sglang")
 @pytest.fixture(scope="module")
 def cpu_ops():
     """This test process is a CPU process: SGLang's NGRAM module needs the CPU mode's stand-in ops to import."""
-    from glance_sgl.sglang.cpu import install_cpu_ops
+    from glance_sgl.sglang.cpu import install_sgl_kernel_stub, register_cpu_hooks
 
-    install_cpu_ops()
+    install_sgl_kernel_stub()
+    register_cpu_hooks()
 
 
 @pytest.fixture(scope="module")
