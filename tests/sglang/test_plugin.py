@@ -275,3 +275,25 @@ def test_launch_command():
     assert "--device cpu --attention-backend glance_cpu" in joined and "--port 31234" in joined
     assert cmd[-2:] == ["--log-level", "warning"]
     assert "--speculative-algorithm" not in server_command("/m", None)
+
+
+def test_draft_pool_bytes_join_sglangs_kv_cell_size(tmp_path, plugins_loaded, monkeypatch):
+    """The draft KV pool is budgeted with the target's: SGLang's per-token cell size (what its KV budget is
+    divided by) gains the drafter's K+V bytes per token, for GLANCE only and not for a draft worker."""
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as rc
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from glance_sgl.sglang import draft_pool
+
+    target = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__"
+    assert any(hook is draft_pool._add_draft_cell for _, hook, _ in HookRegistry._hooks[target])
+    path = _drafter_dir(tmp_path)  # 1 layer, 2 KV heads of 16
+    monkeypatch.setattr(rc, "get_spec", lambda: SimpleNamespace(speculative_draft_model_path=str(path)))
+    for name, draft_worker, extra in (("GLANCE", False, 2 * 1 * 2 * 16 * 4), ("GLANCE", True, 0), ("NGRAM", False, 0)):
+        conf = SimpleNamespace(_cell_size=1000)
+        kvc = SimpleNamespace(spec_algorithm=SimpleNamespace(name=name), is_draft_worker=draft_worker,
+                              model_config=SimpleNamespace(dtype=torch.float32))
+        draft_pool._add_draft_cell(None, conf, kvc)
+        assert conf._cell_size == 1000 + extra, (name, draft_worker)
