@@ -14,6 +14,11 @@ drafter layer a K and a V buffer ``[slots, kv_heads, head_dim]``. Consequences:
   prefix was first computed (every pass that writes a token's target K/V also writes its draft K/V).
 
 Slot 0 is SGLang's padding slot: masked writes go there, so a step's writes have a fixed shape.
+
+A decode step's writes can wait (:meth:`DraftKVPool.defer`) and be projected together with the following steps'
+in one call (:meth:`DraftKVPool.flush`), so a run of plain AR steps costs one projection when drafting resumes.
+Whoever reads the pool or writes a prefill flushes first; within a flush, a slot written twice (freed and given
+to another token in between) keeps the later write.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class DraftKVPool:
         shape = (self.size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._last = torch.empty(self.size, dtype=torch.long, device=device)  # scratch of flush's dedupe
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +74,27 @@ class DraftKVPool:
         for k_buf, v_buf, k, v in zip(self.k, self.v, keys, values):
             k_buf[slots] = k[0].transpose(0, 1).to(k_buf.dtype)  # [kv, T, d] -> [T, kv, d]
             v_buf[slots] = v[0].transpose(0, 1).to(v_buf.dtype)
+
+    def defer(self, slots: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor) -> None:
+        """:meth:`write` later, at the next :meth:`flush` (same arguments)."""
+        self._pending.append((slots.to(self.k[0].device, torch.long), taps, positions))
+
+    def flush(self) -> None:
+        """Write every deferred row in one projection; of two writes to one slot, the later one stays."""
+        if not self._pending:
+            return
+        if len(self._pending) == 1:
+            slots, taps, positions = self._pending[0]
+        else:
+            slots, taps, positions = (torch.cat(parts) for parts in zip(*self._pending))
+            order = torch.arange(slots.numel(), device=slots.device)
+            self._last.scatter_reduce_(0, slots, order, reduce="amax", include_self=False)
+            slots = torch.where(self._last[slots] == order, slots, PAD_SLOT)
+        self._pending = []
+        self.write(slots, taps, positions)
+
+    def drop_pending(self) -> None:
+        self._pending = []
 
     def gather(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lengths: torch.Tensor,
                max_length: int) -> DrafterCache:

@@ -229,6 +229,8 @@ class GlanceWorker(BaseSpecWorker):
         return None  # the drafter runs inside this worker; it has no ModelRunner of its own
 
     def clear_cache_pool(self):
+        if self.draft_pool is not None:
+            self.draft_pool.drop_pending()
         self.lead.clear()  # the draft K/V live in SGLang's slots: freeing the slots frees them
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
@@ -334,6 +336,7 @@ class GlanceWorker(BaseSpecWorker):
             raise RuntimeError(f"GLANCE: expected tap features for {sum(lens)} extend tokens, got "
                                f"{None if taps is None else tuple(taps.shape)}")
         positions = torch.cat([torch.arange(pre, pre + n) for pre, n in zip(batch.prefix_lens, lens)])
+        self.draft_pool.flush()  # earlier writes first: a slot freed since may be one of these
         self.draft_pool.write(batch.out_cache_loc, taps, positions.to(taps.device))
 
     # ------------------------------------------------------------------ decode: draft (or not), verify, commit
@@ -344,6 +347,7 @@ class GlanceWorker(BaseSpecWorker):
 
     def draft_context(self, batch: ScheduleBatch, seq_lens_cpu: list[int]):
         """The batch's drafter context, gathered from the draft KV pool: every token before the root."""
+        self.draft_pool.flush()
         return self.draft_pool.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
                                       max(seq_lens_cpu))
 
@@ -537,13 +541,14 @@ class GlanceWorker(BaseSpecWorker):
                          ) -> None:
         """Draft K/V of the rows a step committed (root + accepted nodes, ``counts`` [bs] of the ``rows``
         [bs, W] columns, -1 padding), written at the slots their target K/V now occupy (positions ``seq_lens[b] +
-        j`` after ``compact_kv``). Fixed shapes: padding columns write to the padding slot."""
+        j`` after ``compact_kv``). Fixed shapes: padding columns write to the padding slot. Deferred: a run of AR
+        steps is projected in one call when the drafter next reads the pool."""
         bs, width = rows.shape
         idx = rows.clamp(min=0).to(taps.device)
         kept = taps.gather(1, idx[:, :, None].expand(-1, -1, taps.shape[2])).reshape(bs * width, -1)
         slots, positions = committed_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
                                            batch.seq_lens, counts.to(self.device), width)
-        self.draft_pool.write(slots, kept, positions)
+        self.draft_pool.defer(slots, kept, positions)
 
     # ------------------------------------------------------------------ cost model calibration
     def _maybe_calibrate(self, batch: ScheduleBatch, rids: list[str], roots: torch.Tensor,

@@ -204,3 +204,23 @@ def test_ar_and_calibration_trees_verify_inputs():
     assert vt.spec_info.draft_token_num == 3
     h = entropies_nats(torch.tensor([[0.0, 0.0], [100.0, 0.0]]))
     assert h[0] == pytest.approx(0.6931, abs=1e-4) and h[1] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_deferred_draft_kv_writes_keep_the_later_write_of_a_slot():
+    """Deferred writes (AR steps) are projected in one flush; a slot written twice in between (freed and given
+    to another token) keeps the later write, whatever the order inside the flushed batch."""
+    from glance_sgl.sglang.draft_pool import DraftKVPool
+
+    d = _drafter()
+    g = torch.Generator().manual_seed(3)
+    deferred, direct = (DraftKVPool(d, size=64, device="cpu", dtype=torch.float32) for _ in range(2))
+    steps = [(torch.tensor([5, 9, 0]), torch.randn(3, 64, generator=g), torch.tensor([10, 11, 0])),
+             (torch.tensor([7]), torch.randn(1, 64, generator=g), torch.tensor([12])),
+             (torch.tensor([9, 5]), torch.randn(2, 64, generator=g), torch.tensor([3, 4]))]  # 9 and 5 reused
+    for slots, taps, pos in steps:
+        deferred.defer(slots, taps, pos)
+        direct.write(slots, taps, pos)  # one step at a time: the later write wins by order
+    deferred.flush()
+    for a, b in zip(deferred.k + deferred.v, direct.k + direct.v):
+        assert torch.allclose(a[1:], b[1:], atol=1e-6)  # slot 0 is the padding slot
+    deferred.flush()  # nothing pending: a no-op
