@@ -241,7 +241,9 @@ class GlanceWorker(BaseSpecWorker):
         self.planner.forget(rid)
 
     def _purge(self, live: set[str]) -> None:
-        """Per-request host state of requests no longer scheduled (finished or aborted without a notice)."""
+        """Per-request host state of requests absent from a decode batch, which holds every running request
+        (absent: finished, aborted without a notice, or retracted; a retracted one's lead entropy is set again when
+        it is prefilled again)."""
         for rid in [r for r in self.lead if r not in live]:
             self._forget(rid)
 
@@ -253,8 +255,8 @@ class GlanceWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ the step
     def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
                                  ) -> GenerationBatchResult:
-        self._purge({req.rid for req in batch.reqs})
         if batch.forward_mode.is_decode():
+            self._purge({req.rid for req in batch.reqs})  # not on a prefill: it holds the new requests only
             return self._decode(batch, on_publish, pp_proxy_tensors)
         return self._extend(batch, on_publish, pp_proxy_tensors)
 
