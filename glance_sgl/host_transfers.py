@@ -38,6 +38,7 @@ class HostTransferCounter(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: Counter[str] = Counter()
+        self._paused = False
 
     @property
     def total(self) -> int:
@@ -46,7 +47,7 @@ class HostTransferCounter(TorchFunctionMode):
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Reads inside are not counted (e.g. another component's code the bound is not about)."""
-        self._paused, before = True, getattr(self, "_paused", False)
+        self._paused, before = True, self._paused
         try:
             yield
         finally:
@@ -54,12 +55,11 @@ class HostTransferCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(self, "_paused", False):
-            pass
-        elif func in HOST_READS:
-            self.calls[func.__name__] += 1
-        elif func is torch.Tensor.to and _to_host(args[0], args[1:], kwargs):
-            self.calls["to"] += 1
+        if not self._paused:
+            if func in HOST_READS:
+                self.calls[func.__name__] += 1
+            elif func is torch.Tensor.to and _to_host(args[0], args[1:], kwargs):
+                self.calls["to"] += 1
         return func(*args, **kwargs)
 
 
