@@ -297,13 +297,15 @@ class GlanceDrafter(nn.Module):
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()
-    def draft_block(self, cache: DrafterCache, root_tokens: torch.Tensor, context_len: int | None = None
-                    ) -> torch.Tensor:
+    def draft_block(self, cache: DrafterCache, root_tokens: torch.Tensor, context_len: int | None = None,
+                    padded: bool = False) -> torch.Tensor:
         """One forward pass for the block ``[root, MASK x (B-1)]`` of every request.
 
         ``root_tokens``: [B] (the last committed token, whose context features are not in the cache yet);
         the block sits at positions ``cache.lengths[b] .. + block_size - 1``. ``context_len``: the longest context
-        (``cache.lengths.max()``) when the caller knows it on the host, so the pass needs no device sync.
+        (``cache.lengths.max()``) when the caller knows it on the host, so the pass needs no device sync;
+        ``padded``: ``context_len`` may exceed every length (static shapes, e.g. a CUDA graph), so the context is
+        masked by ``lengths`` even for one request.
         Returns draft logits [B, block_size - 1, V] for offsets 1..block_size-1.
         """
         bs, blk = root_tokens.shape[0], self.config.block_size
@@ -312,7 +314,7 @@ class GlanceDrafter(nn.Module):
         positions = cache.lengths[:, None] + torch.arange(blk, device=root_tokens.device)[None, :]
         c = int(cache.lengths.max().item()) if context_len is None else context_len
         mask = None  # one request (or equal lengths): every block token sees the whole context and block
-        if bs > 1:
+        if bs > 1 or padded:
             ctx_valid = torch.arange(c, device=root_tokens.device)[None, :] < cache.lengths[:, None]  # [B, C]
             mask = torch.cat([ctx_valid, ctx_valid.new_ones(bs, blk)], dim=1)[:, None, None, :]  # [B,1,1,C+blk]
         x = self.embed(block).to(self.fc.weight.dtype)
