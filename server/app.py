@@ -29,10 +29,11 @@ from .jobs import Backend, GenOutput, GenRequest, Job
 from .protocol import (PLANNERS, ChatRequest, check_model, check_planner, chat_request, chunk_body,
                        completion_body, sampling_params, usage)
 from .sglang import meta_info, parse_prompt, render_prompt
+from .playground import PLAYGROUND_PATHS, router as playground_router
 from .telemetry import Telemetry
 
 log = logging.getLogger("glance_server")
-OPEN_PATHS = {"/health", "/ready", "/metrics"}
+OPEN_PATHS = {"/health", "/ready", "/metrics"} | PLAYGROUND_PATHS  # the playground page holds no secret
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -215,12 +216,75 @@ class ChatChunks:
         if delta.text:
             yield chunk_body(self.rid, self.model, self.created, {"content": delta.text})
 
-    def done(self, out: GenOutput):
+    def done(self, out: GenOutput, **extra):
         if self.include_usage:
-            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason)
+            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason, **extra)
             yield chunk_body(self.rid, self.model, self.created, None, usage=usage(out), glance=out.glance)
         else:
-            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason, glance=out.glance)
+            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason, glance=out.glance, **extra)
+
+
+class RoundChunks(ChatChunks):
+    """``"glance": {"stream_rounds": true}``: every content chunk (also one whose text is held back, content "")
+    carries ``glance_round``: ``round`` (index of the verification round that committed the chunk's tokens; 0 is
+    the prefill token, which belongs to no round), ``rounds`` (rounds the chunk spans), ``tokens``, ``accepted``
+    (accepted draft tokens among them), ``bonus`` (the target's own tokens: one per round, last in it),
+    ``bonus_text`` (the bonus token decoded alone), ``prefill``; null where the backend does not know.
+
+    Embedded: one chunk per round, exact. A round is the accepted drafts + one bonus token, so ``accepted`` is
+    ``tokens - 1``, except for a last round cut by a stop condition: the finish chunk then carries a
+    ``glance_round`` with ``final: true`` and that round's split from the request's accepted-token count.
+    SGLang: one chunk per upstream stream chunk, split by SGLang's cumulative ``spec_verify_ct`` /
+    ``spec_num_correct_drafts``; a chunk spanning several rounds has ``round`` null; without those counts
+    (no speculation upstream) only ``tokens`` is known."""
+
+    def __init__(self, rid: str, model: str, include_usage: bool, tokenizer=None) -> None:
+        super().__init__(rid, model, include_usage)
+        self.tokenizer = tokenizer
+        self.index = 0  # chunks so far
+        self.verify_ct = 0  # upstream rounds so far
+        self.correct = 0  # upstream accepted drafts so far
+        self.accepted = 0  # embedded: accepted drafts reported so far
+        self.last: dict[str, Any] | None = None
+
+    def _bonus_text(self, token_ids, bonus) -> str | None:
+        if self.tokenizer is None or bonus != 1 or not token_ids:
+            return None
+        return self.tokenizer.decode(token_ids[-1:], skip_special_tokens=True)
+
+    def delta(self, delta):
+        n = len(delta.token_ids)
+        k, self.index = self.index, self.index + 1
+        info: dict[str, Any] = {"round": None, "rounds": None, "tokens": n, "accepted": None, "bonus": None,
+                                "bonus_text": None, "prefill": False}
+        if not hasattr(delta, "spec_verify_ct"):  # embedded: one delta per round
+            info.update(round=k, rounds=0 if k == 0 else 1, prefill=k == 0, accepted=max(n - 1, 0) if k else 0,
+                        bonus=1 if k and n else 0)
+        elif delta.spec_verify_ct is not None:
+            rounds = int(delta.spec_verify_ct) - self.verify_ct
+            accepted = int(delta.spec_num_correct_drafts or 0) - self.correct
+            self.verify_ct, self.correct = int(delta.spec_verify_ct), int(delta.spec_num_correct_drafts or 0)
+            info.update(round=self.verify_ct if rounds == 1 else None, rounds=rounds, accepted=accepted,
+                        bonus=n - accepted)
+        elif k == 0:  # the first chunk before any verify step: the prefill token
+            info.update(round=0, rounds=0, prefill=True, accepted=0, bonus=0)
+        info["bonus_text"] = self._bonus_text(delta.token_ids, info["bonus"])
+        self.accepted += info["accepted"] or 0
+        self.last = {"info": info, "token_ids": list(delta.token_ids)}
+        yield chunk_body(self.rid, self.model, self.created, {"content": delta.text}, glance_round=info)
+
+    def done(self, out: GenOutput):
+        extra = {}
+        last = self.last["info"] if self.last else None
+        if last is not None and last["rounds"] == 1 and self.index > 1 and out.glance.get("mode") != "ar":
+            # the last round's true split: the request's accepted drafts less those of the earlier rounds
+            true_accepted = out.glance["accepted_tokens"] - (self.accepted - last["accepted"])
+            kept = min(max(true_accepted, 0), last["tokens"])
+            if kept != last["accepted"]:
+                bonus = last["tokens"] - kept
+                extra["glance_round"] = {**last, "accepted": kept, "bonus": bonus, "final": True,
+                                         "bonus_text": self._bonus_text(self.last["token_ids"], bonus)}
+        yield from super().done(out, **extra)
 
 
 class NativeChunks:
@@ -269,6 +333,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
 
     app = FastAPI(title="GLANCE gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = gw
+    app.include_router(playground_router)
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
@@ -327,7 +392,8 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
         model = config.served_model_name
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = ChatChunks(req.request_id, model, include)
+            chunks = (RoundChunks(req.request_id, model, include, getattr(processor, "tokenizer", None))
+                      if body.glance and body.glance.stream_rounds else ChatChunks(req.request_id, model, include))
             return StreamingResponse(gw.stream(job, t0, chunks), media_type="text/event-stream", headers=SSE_HEADERS)
         out = await gw.collect(job, request, t0)
         return completion_body(req.request_id, model, out)

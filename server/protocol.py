@@ -59,6 +59,7 @@ class GlanceOptions(BaseModel):
     measure_speedup: StrictBool = False
     mode: Mode | None = None
     planner: Planner | None = None
+    stream_rounds: StrictBool = False  # stream: a glance_round object on every content chunk (app.RoundChunks)
     debug_fault: str | None = None
 
 

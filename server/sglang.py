@@ -282,7 +282,11 @@ class SGLangBackend(Backend):
                     last = time.perf_counter()
                     first = first if first is not None else last
                 if text or ids:
-                    job.post("delta", StreamDelta(token_ids=ids, text=text))
+                    delta = StreamDelta(token_ids=ids, text=text)
+                    # SGLang's cumulative counts so far (absent before the first verify step): stream_rounds
+                    delta.spec_verify_ct = meta.get("spec_verify_ct")
+                    delta.spec_num_correct_drafts = meta.get("spec_num_correct_drafts")
+                    job.post("delta", delta)
                 final = chunk
         if not final:
             raise APIError(502, "the upstream stream ended without a result", "upstream_error")
