@@ -4,8 +4,8 @@ Server arguments (SGLang's own flags, read the GLANCE way):
 
 ==================================  =========================================================================
 ``--speculative-algorithm GLANCE``  select GLANCE
-``--speculative-draft-model-path``  the drafter checkpoint directory (``config.json`` with ``model_type``
-                                    ``glance_drafter`` + ``model.safetensors``), required
+``--speculative-draft-model-path``  the drafter checkpoint directory (a DFlash draft checkpoint:
+                                    ``config.json`` + ``model.safetensors``), required
 ``--speculative-num-draft-tokens``  rows verified per request per step: tree budget + 1 (the root);
                                     default 32 (a 31-node tree, the SGLang default of design §1)
 ``--speculative-eagle-topk``        ``branch_k``, the per-offset top-k the tree grows from (default: the
@@ -34,9 +34,11 @@ Environment of the server / engine process (read by the worker at start-up):
 
 The radix cache stays on: the drafter's context K/V live in a draft KV pool addressed by SGLang's token slots
 (``draft_pool.py``), so a prefix hit shares them with the target's K/V; that pool's bytes per token are budgeted
-with the target's (a HookRegistry hook on SGLang's pool sizing). Forced: no mixed chunked prefill, no overlap
-scheduling (the worker is synchronous), and ``disable_cuda_graph`` (capture of the verify pass through SGLang's
-dummy-verify-input hooks is not implemented yet; a warning says so when CUDA graphs were on).
+with the target's (a HookRegistry hook on SGLang's pool sizing). CUDA graphs stay on where the user has them on:
+the verify pass is captured by SGLang's own graph runner at a few widths and the drafter pass by the worker
+(``graphs.py``, ``draft_graph.py``; ``GLANCE_CUDA_GRAPH_WIDTHS`` lists the widths). Forced: no mixed chunked
+prefill, no overlap scheduling (the planner shapes each step from the previous step's results, on the host), and
+on a CPU device no graph capture.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def read_drafter_config(path: str | Path | None) -> dict[str, Any]:
     if not path:
         raise GlanceArgsError(
             "--speculative-algorithm GLANCE needs --speculative-draft-model-path pointing to a GLANCE drafter "
-            "checkpoint (config.json with model_type 'glance_drafter' + model.safetensors)")
+            "checkpoint (a DFlash draft checkpoint: config.json + model.safetensors)")
     directory = Path(path)
     cfg_file = directory / "config.json"
     if not cfg_file.is_file():
@@ -72,10 +74,13 @@ def read_drafter_config(path: str | Path | None) -> dict[str, Any]:
         data = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise GlanceArgsError(f"GLANCE drafter config {cfg_file} is not valid JSON: {exc}") from exc
-    if data.get("model_type") != "glance_drafter":
-        raise GlanceArgsError(
-            f"{cfg_file} has model_type {data.get('model_type')!r}; a GLANCE drafter has 'glance_drafter'")
-    if not (directory / "model.safetensors").is_file():
+    from glance_sgl.config import GlanceConfig
+
+    try:  # a DFlash draft config (the checkpoint format) or the former glance_drafter one: the flat GLANCE fields
+        data = GlanceConfig.from_any_dict(data, source=str(cfg_file)).to_dict()
+    except ValueError as exc:
+        raise GlanceArgsError(str(exc)) from exc
+    if not any((directory / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
         raise GlanceArgsError(f"GLANCE drafter weights not found: {directory / 'model.safetensors'}")
     return data
 
@@ -136,14 +141,17 @@ def fill_server_args(server_args: Any) -> None:
     server_args.enable_mixed_chunk = False
     if getattr(server_args, "max_running_requests", None) is None:
         server_args.max_running_requests = 48
-    if not getattr(server_args, "disable_cuda_graph", True):
-        # The verify pass has no CUDA-graph capture yet (SGLang's dummy-verify-input hooks are not implemented):
-        # GLANCE runs its verify eagerly; the target's plain decode graphs are not used by a speculative batch.
-        logger.warning("GLANCE: CUDA graphs are turned off (--disable-cuda-graph); verify-pass capture is not "
-                       "implemented yet")
+    device = str(getattr(server_args, "device", None) or "cuda")
+    if device == "cpu" and not getattr(server_args, "disable_cuda_graph", True):
+        # SGLang's CPU "graphs" are torch.compile captures of plain decode; GLANCE's verify is not among them.
+        logger.info("GLANCE on CPU: graph capture is off (--disable-cuda-graph)")
         server_args.disable_cuda_graph = True
+    # On CUDA, graphs stay as the user set them: the verify pass is captured through the hooks of graphs.py.
     if not getattr(server_args, "disable_overlap_schedule", True):
-        logger.warning("GLANCE runs synchronously: overlap scheduling is turned off")
+        # The planner decides each step's shape on the host from the previous step's accept lengths and lead
+        # entropies; SGLang's overlap path needs the next step's shape before the current step finishes.
+        logger.warning("GLANCE runs synchronously: overlap scheduling is turned off (the planner needs the previous "
+                       "step's accept lengths to shape the next)")
         server_args.disable_overlap_schedule = True
 
 
@@ -208,6 +216,7 @@ def register_all() -> None:
 
     from . import cpu
     from .draft_pool import install_memory_accounting
+    from .graphs import register_graph_hooks
 
     cpu.install_vllm_stub()
     cpu.install_sgl_kernel_stub()
@@ -217,4 +226,5 @@ def register_all() -> None:
         install_memory_accounting()
         cpu.register_cpu_backend()
         cpu.register_cpu_hooks()
+        register_graph_hooks()
         register_model()
