@@ -125,7 +125,34 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def convert_drafter(src: str | Path, out: str | Path | None = None) -> Path:
+    """Rewrite a drafter checkpoint (the former ``glance_drafter`` layout, or any DFlash one we can run) as a
+    DFlash checkpoint: ``config.json`` in the DFlash layout (GLANCE settings in its ``glance`` section) and the
+    same tensors in ``model.safetensors``. ``out`` defaults to ``src`` (in place). Returns the output directory."""
+    from .drafter import GlanceDrafter
+
+    src = Path(src)
+    if not (src / "config.json").is_file():
+        raise CLIError(f"{src}: not a drafter directory (config.json missing)")
+    try:
+        drafter = GlanceDrafter.from_pretrained(src)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CLIError(f"{src}: {exc}") from exc
+    return drafter.save_pretrained(Path(out) if out else src)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    out = convert_drafter(args.src, args.out)
+    print(f"DFlash-format drafter: {out}")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    conv = sub.add_parser("convert", help="rewrite a drafter checkpoint in the DFlash format (SGLang's DFLASH and "
+                          "DFlash's reference code read it)")
+    conv.add_argument("src", help="drafter directory (former glance_drafter layout or DFlash)")
+    conv.add_argument("--out", help="output directory (default: rewrite SRC in place)")
+    conv.set_defaults(func=cmd_convert)
     tiny = sub.add_parser("tiny", help="build a tiny RANDOM target + drafter pair (smoke tests, not answers)")
     tiny.add_argument("--out", required=True, help="directory to write target/ and drafter/ into")
     tiny.add_argument("--arch", choices=["qwen2_5_vl", "qwen2_vl"], default="qwen2_5_vl")

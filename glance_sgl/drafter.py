@@ -12,7 +12,9 @@ Everything is batched torch with no Hugging Face or SGLang types in the signatur
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -346,30 +348,29 @@ class GlanceDrafter(nn.Module):
         return x
 
     # ------------------------------------------------------------------ persistence
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` (the head only; never the shared target modules)."""
+    def save_pretrained(self, directory: str | Path, format: str = "dflash") -> Path:
+        """Write ``config.json`` + ``model.safetensors`` (the head only; never the shared target modules).
+
+        The weights carry DFlash's names (``layers.N.self_attn.q_proj.weight``, ``fc.weight`` [H, L*H],
+        ``hidden_norm.weight``, ``norm.weight``, ...); ``format`` is the config's layout (``"dflash"``, the
+        default, or the former ``"glance"`` one, see :meth:`GlanceConfig.save`)."""
         from safetensors.torch import save_file
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        self.config.save(out)
+        self.config.save(out, format=format)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "model_type": "glance_drafter"})
+        save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
         return out
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> "GlanceDrafter":
-        from safetensors.torch import load_file
-
+        """Load a drafter directory: a DFlash checkpoint (ours, or one saved by DFlash's reference code: weights
+        with or without a ``model.`` prefix, one file or shards with ``model.safetensors.index.json``) or one in
+        the former ``glance_drafter`` layout."""
         config = GlanceConfig.load(directory)
-        weights = Path(directory) / WEIGHTS_NAME
-        if not weights.is_file():
-            raise FileNotFoundError(f"no drafter weights at {weights}")
         model = cls(config)
-        state = load_file(str(weights))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"drafter checkpoint {directory} does not match its config: missing={missing}, unexpected={unexpected}")
+        model.load_state_dict(load_head_weights(directory, model.state_dict().keys()), strict=True)
         return model.to(device=device, dtype=dtype).eval()
 
     @classmethod
@@ -381,6 +382,48 @@ class GlanceDrafter(nn.Module):
                 torch.manual_seed(seed)
                 return cls(config)
         return cls(config)
+
+
+def load_head_weights(directory: str | Path, expected: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The head's tensors from a checkpoint directory, named as in :class:`GlanceDrafter`'s state dict.
+
+    Reads ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``; strips a ``model.`` (or
+    ``drafter.``) prefix; drops tensors DFlash exports may carry that the head does not own (rotary caches, an
+    embedding or LM head tied to the target). Raises ValueError naming missing / unexpected tensors."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index = directory / (WEIGHTS_NAME + ".index.json")
+    if (directory / WEIGHTS_NAME).is_file():
+        files = [directory / WEIGHTS_NAME]
+    elif index.is_file():
+        files = [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        raise FileNotFoundError(f"no drafter weights at {directory / WEIGHTS_NAME}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            state[_head_name(name)] = tensor
+    expected = set(expected)
+    ignored = {k for k in state if k not in expected and _ignorable(k)}
+    for k in ignored:
+        del state[k]
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"drafter checkpoint {directory} does not match its config: missing={missing}, "
+                         f"unexpected={unexpected}")
+    return state
+
+
+def _head_name(name: str) -> str:
+    for prefix in ("model.", "drafter."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _ignorable(name: str) -> bool:
+    return "rotary_emb" in name or name.startswith(("embed_tokens.", "lm_head."))
 
 
 def draft_logprobs(logits: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,8 @@ def test_save_load_round_trip(tmp_path, targets):
         target.input_embeddings(), target.lm_head())
     drafter.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["model_type"] == "glance_drafter" and saved["tap_layers"] == drafter.config.tap_layers
+    assert saved["architectures"] == ["DFlashDraftModel"]  # the DFlash layout (tests/test_dflash_format.py)
+    assert saved["dflash_config"]["target_layer_ids"] == drafter.config.tap_layers
     from safetensors.torch import load_file
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert not any("embed" in k or "lm_head" in k for k in keys), "shared target modules must not be saved"

@@ -90,9 +90,12 @@ def test_server_args_filled(tmp_path, plugins_loaded):
     assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (32, 15, 8)
     assert args.disable_radix_cache is False and args.enable_mixed_chunk is False  # the radix cache stays on
     assert args.max_running_requests == 48
-    args = _args(path, disable_cuda_graph=False, disable_overlap_schedule=False)
+    args = _args(path, disable_cuda_graph=False, disable_overlap_schedule=False)  # a CPU device: no graphs
     SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
     assert args.disable_cuda_graph is True and args.disable_overlap_schedule is True
+    args = _args(path, device="cuda", disable_cuda_graph=False, disable_overlap_schedule=False)
+    SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)  # CUDA graphs stay on (graphs.py)
+    assert args.disable_cuda_graph is False and args.disable_overlap_schedule is True
     args = _args(path, speculative_num_draft_tokens=8, speculative_eagle_topk=2, speculative_num_steps=5)
     SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
     assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (8, 5, 2)
@@ -134,8 +137,9 @@ def test_bad_drafter_directory_rejected(tmp_path):
     path = _drafter_dir(tmp_path)
     data = json.loads((path / "config.json").read_text())
     data["model_type"] = "qwen2"
+    del data["architectures"], data["dflash_config"]
     (path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(GlanceArgsError, match="glance_drafter"):
+    with pytest.raises(GlanceArgsError, match="neither a DFlash drafter config"):
         validate_server_args(_args(path))
     other = tmp_path / "noweights"
     other.mkdir()
@@ -261,7 +265,11 @@ def test_drafter_model_class_loads_the_engine_checkpoint(tmp_path):
 def test_hf_config_registered_for_sglang_get_config(tmp_path, plugins_loaded):
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(_drafter_dir(tmp_path)))
+    cfg = AutoConfig.from_pretrained(str(_drafter_dir(tmp_path)))  # the DFlash layout: a Qwen3 config
+    assert cfg.model_type == "qwen3" and cfg.architectures == ["DFlashDraftModel"]
+    legacy = tmp_path / "legacy"
+    GlanceDrafter.from_pretrained(_drafter_dir(tmp_path / "x")).save_pretrained(legacy, format="glance")
+    cfg = AutoConfig.from_pretrained(str(legacy))  # the former layout, through the registered config class
     assert cfg.model_type == "glance_drafter" and cfg.architectures == ["GlanceDrafterForSGLang"]
 
 
