@@ -75,6 +75,7 @@ function resetAnswer() {
     $(id).textContent = "–"; $(id).className = "";
   }
   $("measured").hidden = true;
+  $("per-round").textContent = "";
 }
 
 function piece(cls, text) { const s = document.createElement("span"); s.className = cls; s.textContent = text; return s; }
@@ -142,6 +143,10 @@ function onFinal(glance) {
   $("m-tps").textContent = fmt(glance.decode_tokens_per_s, 1);
   $("m-accept").textContent = glance.acceptance_rate === null ? "–" : fmt(100 * glance.acceptance_rate, 0) + " %";
   $("m-est").textContent = glance.estimated_speedup ? fmt(glance.estimated_speedup) + "×" : "–";
+  if (glance.committed_per_round) {
+    $("per-round").textContent = "committed per round (accepted drafts + bonus): " + glance.committed_per_round.join(" · ") +
+      (glance.rounds_without_drafting ? "  —  " + glance.rounds_without_drafting + " round(s) without drafting" : "");
+  }
   const m = glance.measured;
   if (m) {
     $("measured").hidden = false;
