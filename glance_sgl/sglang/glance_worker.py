@@ -37,7 +37,6 @@ import logging
 import os
 import time
 import zlib
-from typing import Optional
 
 import torch
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
@@ -50,15 +49,17 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 import glance_kernels
-from glance_sgl.drafter import GlanceDrafter, draft_logprobs
+from glance_sgl.drafter import GlanceDrafter
 from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.planner import calibrate, cost_key, default_row_grid, save_costs
-from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
+from glance_sgl.tree import DraftTree, build_tree
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
+from .draft_graph import DraftPassRunner, draft_pass
 from .draft_pool import DraftKVPool, committed_slots
 from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceVerifyInput, build_verify_input
+from .graphs import VerifyGraphs, graph_widths
 from .planning import BatchCostModel, load_batch_costs, make_planner, planner_mode_from_env
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,11 @@ class GlanceWorker(BaseSpecWorker):
         self._hidden = int(text_cfg.hidden_size)
         self.block_size = cfg.block_size
         self.draft_pool: DraftKVPool | None = None  # allocated with SGLang's pools (alloc_memory_pool)
+        # CUDA graphs (init_cuda_graphs): the verify pass at a few widths, the drafter pass per batch/context bucket
+        self.use_graphs = self.device_is_cuda and not bool(getattr(server_args, "disable_cuda_graph", True))
+        self.verify_graphs: VerifyGraphs | None = None
+        self.draft_runner: DraftPassRunner | None = None
+        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         # per live request: the entropy (nats) of the target distribution that produced its newest token
         self.lead: dict[str, float | None] = {}
         self._profile = os.environ.get("GLANCE_SGL_PROFILE", "") not in ("", "0")
@@ -219,6 +225,21 @@ class GlanceWorker(BaseSpecWorker):
         self.draft_pool = DraftKVPool(self.drafter, slots, self.device, self.model_runner.dtype)
         logger.info("GLANCE draft KV pool allocated: #tokens %d, %d layers, K+V size %.2f GB", slots - 1,
                     self.drafter.config.num_hidden_layers, self.draft_pool.nbytes / (1 << 30))
+
+    def init_cuda_graphs(self):
+        """After SGLang captured the target's TARGET_VERIFY graphs at the full width (through the hooks of
+        ``graphs.py``): the other widths' graphs, and the drafter pass's runner (captured per bucket on first
+        use). Nothing without CUDA graphs."""
+        if not self.use_graphs or self.model_runner.decode_cuda_graph_runner is None:
+            return
+        widths = graph_widths(self.draft_token_num)
+        self.verify_graphs = VerifyGraphs(self.model_runner, self.draft_token_num, self.max_depth, widths)
+        max_bs = int(self.model_runner.decode_cuda_graph_runner.max_bs)
+        # under TP the drafter's LM head all-gathers (a collective): its pass stays eager there
+        self.draft_runner = DraftPassRunner(self.drafter, self.draft_pool, self.req_to_token_pool.req_to_token,
+                                            max_depth=self.max_depth, branch_k=self.branch_k, budget=self.budget,
+                                            max_bs=max_bs, use_graphs=self.tp_size == 1)
+        logger.info("GLANCE CUDA graphs: verify widths %s, drafter pass up to batch %d", widths, max_bs)
 
     @property
     def target_worker(self) -> TpModelWorker:
@@ -342,27 +363,32 @@ class GlanceWorker(BaseSpecWorker):
         self.draft_pool.write(batch.out_cache_loc, taps, positions.to(taps.device))
 
     # ------------------------------------------------------------------ decode: draft (or not), verify, commit
+    def _agree(self, value: int) -> int:
+        """Under tensor parallelism every rank must take the same step, but the planner's timings differ between
+        ranks: TP rank 0's choice (whether to draft, how many rows) is broadcast to the others. The tree, the walk
+        and the sampling noise are functions of replicated tensors, so they agree by themselves."""
+        if self.tp_size == 1:
+            return value
+        from sglang.srt.distributed import get_tp_group
+
+        return int(get_tp_group().broadcast_object(int(value), src=0))
+
     def _roots(self, batch: ScheduleBatch) -> torch.Tensor:
         """[bs] long: each request's newest committed token (the root of its tree)."""
         return torch.tensor([req.output_ids[-1] if len(req.output_ids) else req.origin_input_ids[-1]
                              for req in batch.reqs], dtype=torch.long, device=self.device)
 
-    def draft_context(self, batch: ScheduleBatch, seq_lens_cpu: list[int]):
-        """The batch's drafter context, gathered from the draft KV pool: every token before the root."""
-        self.draft_pool.flush()
-        return self.draft_pool.gather(self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                      max(seq_lens_cpu))
-
     def draft_trees(self, batch: ScheduleBatch, seq_lens_cpu: list[int], roots: torch.Tensor) -> DraftTree:
         """One drafter pass for every request's block over its context in the draft KV pool, and the best-first
         trees at the largest budget (the embedded engine's draft_tree)."""
-        cache = self.draft_context(batch, seq_lens_cpu)
-        logits = self.drafter.draft_block(cache, roots, context_len=max(seq_lens_cpu))[:, : self.max_depth]
-        values, ids = topk_per_offset(draft_logprobs(logits), self.branch_k)
-        if roots.is_cuda or self.device_step:  # the same tree built on device (Triton), no host round trip
-            t = glance_kernels.budget_tree(values, ids, roots, self.budget)
-            return DraftTree(t.tokens, t.parents, t.depths, t.scores)
-        return build_tree(values, ids, roots, self.budget)  # on the host the heap is the fastest
+        longest = max(seq_lens_cpu)
+        if self.draft_runner is not None and self.draft_runner.fits(len(seq_lens_cpu), longest):
+            return self.draft_runner.run(batch.req_pool_indices, batch.seq_lens, roots, longest)
+        # the tree on device (Triton) without a host round trip; on the host the heap is the fastest
+        build = glance_kernels.budget_tree if roots.is_cuda or self.device_step else build_tree
+        return draft_pass(self.drafter, self.draft_pool, self.req_to_token_pool.req_to_token, batch.req_pool_indices,
+                          batch.seq_lens, roots, longest, max_depth=self.max_depth, branch_k=self.branch_k,
+                          budget=self.budget, build=build)
 
     def _verify_pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
         """The target's TARGET_VERIFY pass over ``tree`` (``R`` rows per request, 1 <= R <= N): its K/V go to
@@ -418,10 +444,16 @@ class GlanceWorker(BaseSpecWorker):
 
     def _pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
         """The target pass of a step: SGLang's plain decode forward for a 1-row tree (an AR step; on the CPU
-        backend 8.5 vs 9.2 ms median for a 1-row TARGET_VERIFY, interleaved engines), else the tree verify."""
-        if tree.num_rows == 1:
-            return self._ar_pass(batch, tree.tokens[:, 0], pp_proxy_tensors)
-        return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
+        backend 8.5 vs 9.2 ms median for a 1-row TARGET_VERIFY, interleaved engines), else the tree verify.
+        With CUDA graphs every pass is a verify, replayed at its width (a 1-row one for an AR step: a speculative
+        target has no DECODE graphs); a width without graphs runs eagerly."""
+        graphs = self.verify_graphs
+        if graphs is None:
+            if tree.num_rows == 1:
+                return self._ar_pass(batch, tree.tokens[:, 0], pp_proxy_tensors)
+            return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
+        with graphs.use(tree.num_rows) if tree.num_rows in graphs.states else contextlib.nullcontext():
+            return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
 
     def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         if not self._count_reads:
@@ -458,11 +490,15 @@ class GlanceWorker(BaseSpecWorker):
         lead = [self.lead.get(r) for r in rids]
 
         t0 = time.perf_counter()
-        drafted = self.planner.gate(rids, lead)
+        drafted = bool(self._agree(int(self.planner.gate(rids, lead))))
         if drafted:
             full = self.draft_trees(batch, seq_lens_cpu, roots)
             plan = self.planner.choose(rids, full.scores, full.depths)
-            tree = full.prefix(plan.nodes + 1)
+            rows = plan.nodes + 1
+            if self.verify_graphs is not None:  # up to a captured width: more best-first nodes, same pass cost
+                rows = self.verify_graphs.snap(rows)
+            rows = self._agree(rows)
+            tree = full.prefix(rows)
         else:
             plan = self.planner.skip(rids)
             tree = root_tree(roots)
@@ -567,18 +603,14 @@ class GlanceWorker(BaseSpecWorker):
         if any(1 << (b.bit_length() - 1) == bucket for b in costs.calibrated_batches()):
             return False
         t0 = time.perf_counter()
-        cache = self.draft_context(batch, seq_lens_cpu)
 
         def run_verify(rows: int, batch_size: int) -> None:
             self._pass(batch, chain_of(roots, rows), seq_lens_cpu, pp_proxy_tensors)
 
         def run_draft(batch_size: int) -> None:
-            logits = self.drafter.draft_block(cache, roots, context_len=max(seq_lens_cpu))[:, : self.max_depth]
-            values, ids = topk_per_offset(draft_logprobs(logits), self.branch_k)
-            build_tree(values, ids, roots, self.budget) if not roots.is_cuda else \
-                glance_kernels.budget_tree(values, ids, roots, self.budget)
+            self.draft_trees(batch, seq_lens_cpu, roots)
 
-        grid = default_row_grid(self.draft_token_num)
+        grid = self.verify_graphs.widths if self.verify_graphs is not None else default_row_grid(self.draft_token_num)
         measured = calibrate(run_verify, run_draft, [(r, bs) for r in grid], [bs], repeats=3)
         costs.add_curve(bs, [x // bs for x in measured.verify_rows], measured.verify_ms_at)
         costs.add_draft_point(bs, measured.draft_ms_at[0])
