@@ -36,13 +36,13 @@ METHODS = ("none", "ngram", "glance", "glance-fixed")
 
 
 def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_tokens: int,
-                  glance_tokens: int | None = None) -> dict[str, Any]:
+                  glance_tokens: int | None = None, cuda_graphs: bool = True) -> dict[str, Any]:
     algo = {"none": None, "ngram": "NGRAM", "glance": "GLANCE", "glance-fixed": "GLANCE"}[method]
     if device == "cpu":
         kw = cpu_engine_kwargs(model, drafter, algorithm=algo)
     else:
-        kw = dict(model_path=str(model), dtype="bfloat16", disable_radix_cache=True, log_level="warning",
-                  random_seed=0, mem_fraction_static=0.5)
+        kw = dict(model_path=str(model), dtype="bfloat16", log_level="warning", random_seed=0,
+                  mem_fraction_static=0.5, disable_cuda_graph=not cuda_graphs)
         if algo == "GLANCE":
             kw.update(speculative_algorithm="GLANCE", speculative_draft_model_path=str(drafter))
         elif algo == "NGRAM":
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--glance-draft-tokens", type=int, default=None,
                    help="GLANCE rows reserved per step (tree budget + 1; default 32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: every engine without CUDA graphs")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--log-dir", type=Path, help="keep each engine's log here")
     p.add_argument("--interleave", action="store_true",
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         wild = wild_requests(args.model, args.wild, args.max_tokens)
         scenarios.update({f"wild c={c}": (wild, c) for c in _levels(args.wild_concurrency, "--wild-concurrency", p)})
     kwargs = {m: engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
-                               args.glance_draft_tokens) for m in methods}
+                               args.glance_draft_tokens, not args.disable_cuda_graph) for m in methods}
     if args.interleave:
         print(f"[bench] {', '.join(methods)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
               flush=True)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# GLANCE's GPU check: tests/gpu/run.sh [OUT_DIR] (default: $OUT if set, else gpu-report/). Under 8 minutes on one
+# GPU; writes OUT_DIR/report.json and OUT_DIR/summary.txt; without CUDA it says so, lists the steps and exits 0.
+# See tests/gpu/run.py and the README section "The GPU check".
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY="$(command -v python3)"
+if [ "$#" -ge 1 ]; then set -- --out "$1" "${@:2}"; fi
+exec "$PY" tests/gpu/run.py --python "$PY" "$@"
