@@ -217,6 +217,7 @@ def register_all() -> None:
     from . import cpu
     from .draft_pool import install_memory_accounting
     from .graphs import register_graph_hooks
+    from .targets import register_target_hooks
 
     cpu.install_vllm_stub()
     cpu.install_sgl_kernel_stub()
@@ -227,4 +228,5 @@ def register_all() -> None:
         cpu.register_cpu_backend()
         cpu.register_cpu_hooks()
         register_graph_hooks()
+        register_target_hooks()
         register_model()

@@ -1,0 +1,72 @@
+"""Per-architecture setup of the SGLang target's tap capture (Qwen2.5-VL, Qwen2-VL, Qwen3-VL dense).
+
+Tap convention (``glance_sgl.config``): tap ``t`` is what enters decoder layer ``t + 1``; SGLang's aux hidden-state
+capture at point ``t + 1`` is exactly that (on Qwen3-VL deepstack additions included, as in the embedded engine).
+DFlash's ``target_layer_ids`` use the same numbering, so ``set_dflash_layers_to_capture(ids)`` and
+``set_eagle3_layers_to_capture(ids)`` (what the GLANCE worker calls) both capture points ``id + 1``.
+
+SGLang 0.5.23's ``Qwen3VLForConditionalGeneration.set_dflash_layers_to_capture`` calls a method its language
+model does not have (AttributeError), so SGLang's own DFLASH cannot run on Qwen3-VL: :func:`register_target_hooks`
+replaces it, through SGLang's HookRegistry, with the capture its ``set_eagle3_layers_to_capture`` already does.
+
+``GLANCE_SGL_DUMP_TAPS=DIR`` (tests, debugging) writes the tap features of every prefill the GLANCE worker
+receives to ``DIR/prefill-NNNNN.pt`` (``taps`` [T, L*H] in drafter order, ``extend_lens``, ``prefix_lens``,
+``input_ids``), through a HookRegistry BEFORE hook on the worker's prompt feed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+QWEN3_VL_DFLASH_CAPTURE = "sglang.srt.models.qwen3_vl.Qwen3VLForConditionalGeneration.set_dflash_layers_to_capture"
+FEED_PROMPT = "glance_sgl.sglang.glance_worker.GlanceWorker._feed_prompt"
+DUMP_ENV = "GLANCE_SGL_DUMP_TAPS"
+
+
+def _qwen3_vl_set_dflash_layers_to_capture(self, layer_ids):
+    """``Qwen3VLForConditionalGeneration.set_dflash_layers_to_capture`` as it is meant to work: capture the
+    states entering layers ``id + 1`` (the same points ``set_eagle3_layers_to_capture`` sets)."""
+    if not self.pp_group.is_last_rank:
+        return
+    if layer_ids is None:
+        raise ValueError("DFLASH requires explicit layer_ids for aux hidden capture.")
+    self.capture_aux_hidden_states = True
+    self.model.capture_aux_hidden_states = True
+    self.model.layers_to_capture = [int(v) + 1 for v in layer_ids]
+
+
+_dump_counter = itertools.count()
+
+
+def _dump_prompt_taps(worker, batch, taps, *args, **kwargs):
+    """BEFORE hook of the GLANCE worker's prompt feed: save what it is handed (``GLANCE_SGL_DUMP_TAPS``)."""
+    out = Path(os.environ[DUMP_ENV])
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"taps": None if taps is None else taps.detach().float().cpu(),
+              "extend_lens": [int(x) for x in batch.extend_lens],
+              "prefix_lens": [int(x) for x in batch.prefix_lens],
+              "input_ids": batch.input_ids.detach().cpu()}
+    torch.save(record, out / f"prefill-{os.getpid()}-{next(_dump_counter):05d}.pt")
+    return None
+
+
+def register_target_hooks() -> None:
+    """Register this module's HookRegistry hooks (idempotent; applied by ``load_plugins``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def register(target: str, hook, kind) -> None:
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, hook, kind)
+
+    register(QWEN3_VL_DFLASH_CAPTURE, _qwen3_vl_set_dflash_layers_to_capture, HookType.REPLACE)
+    if os.environ.get(DUMP_ENV):
+        register(FEED_PROMPT, _dump_prompt_taps, HookType.BEFORE)
+    HookRegistry.apply_hooks()  # idempotent; also when registered outside load_plugins (tests, scripts)
