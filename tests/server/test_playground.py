@@ -276,3 +276,22 @@ def test_browser_playground_sglang_backend(browser, sglang_gateway):
     assert int(page.inner_text("#m-tokens")) >= 2 and int(page.inner_text("#m-rounds")) >= 1 and page.inner_text("#m-tau") != "–"
     assert page.locator("#answer .round.prefill").count() == 1
     page.close()
+
+
+def test_browser_playground_api_key(browser, gateway):
+    """On a gateway with an API key the page loads without it, asks for it, shows the 401 without it and answers
+    with it."""
+    page = browser.new_page()
+    page.goto(gateway.url + "/")
+    page.wait_for_selector("#key-row:not([hidden])")
+    page.click("#use-demo")
+    page.wait_for_selector("#preview:not([hidden])")
+    page.fill("#max-tokens", "6")
+    page.click("#send")
+    page.wait_for_function("document.body.dataset.state === 'error'")
+    assert "invalid_api_key" in page.inner_text("#status")
+    page.fill("#api-key", API_KEY)
+    page.click("#send")
+    wait_done(page)
+    assert int(page.inner_text("#m-tokens")) >= 1
+    page.close()
