@@ -369,6 +369,8 @@ class Planner:
 
     ``max_nodes``: the largest tree (nodes per request) the engine can verify; ``fixed_nodes``: the tree of
     ``mode="fixed"`` (today's behaviour: always draft, always that many nodes). ``max_depth``: deepest node.
+    ``row_menu``: where the engine can only run some row counts fast (CUDA graphs captured at a few widths), those
+    row counts (root included); ``choose`` then picks among their trees only. None: any size.
     """
 
     costs: CostModel
@@ -377,6 +379,7 @@ class Planner:
     mode: PlannerMode = "auto"
     fixed_nodes: int | None = None
     margin: float = 1.02  # drafting must beat AR by this factor, so noise does not make it flap
+    row_menu: list[int] | None = None
     depth: DepthCalibration = field(init=False)
     entropy: EntropyTable = field(init=False)
     requests: dict[object, RequestPlanState] = field(default_factory=dict)
@@ -456,11 +459,13 @@ class Planner:
             n = min(self.fixed_nodes, limit)
         else:
             draft = self.costs.draft_ms(bs) + self.costs.overhead_ms
-            rates = [per_n[n] / (draft + self.costs.verify_ms(n + 1, bs)) for n in range(limit + 1)]
+            sizes = list(range(limit + 1)) if not self.row_menu else \
+                sorted({min(w - 1, limit) for w in self.row_menu if w >= 1})
+            rates = [per_n[n] / (draft + self.costs.verify_ms(n + 1, bs)) for n in sizes]
             # the smallest tree within 2 % of the best: deep nodes' predictions are the least certain, and a
             # flat stretch of the curve is no reason to pay for more rows
             best = max(rates)
-            n = next(i for i, rate in enumerate(rates) if rate >= best / self.margin)
+            n = next(size for size, rate in zip(sizes, rates) if rate >= best / self.margin)
         for r in rids:
             self.state(r).last_nodes = n
         return Plan(n, curve[:, n].tolist(), raw_accept=raw[:, n].tolist())

@@ -126,6 +126,20 @@ def test_choose_weighs_expected_tokens_against_cost():
         Planner(linear_costs(), max_nodes=4, max_depth=3, mode="sometimes")
 
 
+def test_choose_picks_from_the_row_menu_of_captured_graphs():
+    """With CUDA graphs at a few widths, the planner weighs only the trees those widths run (row counts include
+    the root), and the best of them: what the unrestricted planner picks, rounded to a width near it."""
+    tree = random_tree(3, 40, sharp=8.0)
+    free = Planner(linear_costs(per_row=0.02), max_nodes=31, max_depth=7)
+    menu = Planner(linear_costs(per_row=0.02), max_nodes=31, max_depth=7, row_menu=[1, 4, 8, 16, 32])
+    n_free = free.choose(["a"], tree.scores, tree.depths).nodes
+    n_menu = menu.choose(["a"], tree.scores, tree.depths).nodes
+    assert n_menu + 1 in (1, 4, 8, 16, 32)
+    assert n_free + 1 not in (1, 4, 8, 16, 32) or n_menu == n_free
+    dear = Planner(linear_costs(per_row=5.0), max_nodes=31, max_depth=7, row_menu=[1, 8, 32])
+    assert dear.choose(["a"], tree.scores, tree.depths).nodes == 0  # the root alone: a 1-row verify
+
+
 def test_gate_stops_drafting_for_a_request_that_never_accepts_and_probes_with_back_off():
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
     tree = random_tree(4, 15)

@@ -229,17 +229,26 @@ class GlanceWorker(BaseSpecWorker):
     def init_cuda_graphs(self):
         """After SGLang captured the target's TARGET_VERIFY graphs at the full width (through the hooks of
         ``graphs.py``): the other widths' graphs, and the drafter pass's runner (captured per bucket on first
-        use). Nothing without CUDA graphs."""
-        if not self.use_graphs or self.model_runner.decode_cuda_graph_runner is None:
+        use). Without CUDA graphs nothing, unless ``GLANCE_SGL_STATIC_DRAFT=1`` asks for the drafter pass at the
+        runner's static shapes anyway (run eagerly: what a graph would replay, checked on a CPU)."""
+        graphs = self.use_graphs and self.model_runner.decode_cuda_graph_runner is not None
+        if not graphs and os.environ.get("GLANCE_SGL_STATIC_DRAFT", "") != "1":
             return
-        widths = graph_widths(self.draft_token_num)
-        self.verify_graphs = VerifyGraphs(self.model_runner, self.draft_token_num, self.max_depth, widths)
-        max_bs = int(self.model_runner.decode_cuda_graph_runner.max_bs)
+        if graphs:
+            widths = graph_widths(self.draft_token_num)
+            self.verify_graphs = VerifyGraphs(self.model_runner, self.draft_token_num, self.max_depth, widths)
+            self.planner.row_menu = widths  # the planner weighs the trees the graphs can run
+            max_bs = int(self.model_runner.decode_cuda_graph_runner.max_bs)
+        else:
+            max_bs = int(getattr(self.server_args, "max_running_requests", None) or 48)
         # under TP the drafter's LM head all-gathers (a collective): its pass stays eager there
         self.draft_runner = DraftPassRunner(self.drafter, self.draft_pool, self.req_to_token_pool.req_to_token,
                                             max_depth=self.max_depth, branch_k=self.branch_k, budget=self.budget,
-                                            max_bs=max_bs, use_graphs=self.tp_size == 1)
-        logger.info("GLANCE CUDA graphs: verify widths %s, drafter pass up to batch %d", widths, max_bs)
+                                            max_bs=max_bs, use_graphs=graphs and self.tp_size == 1)
+        (logger.info if graphs else logger.warning)(  # without graphs a diagnostic mode: say so
+            "GLANCE graphs: verify widths %s, drafter pass at static shapes up to batch %d (%s)",
+                    self.verify_graphs.widths if self.verify_graphs else None, max_bs,
+                    "CUDA graphs" if self.draft_runner.use_graphs else "eager")
 
     @property
     def target_worker(self) -> TpModelWorker:

@@ -13,7 +13,8 @@ The same engine runs the device-resident decode step on the CPU (``GLANCE_SGL_DE
 K/V writes as tensor ops), under the random test planner (``GLANCE_PLANNER=random``: every tree size and plain AR
 steps), and counts every decode step's host reads (``GLANCE_SGL_COUNT_HOST_READS=1``, ``glance_sgl.host_transfers``;
 SGLang's own target forward is not counted): a few per step, the same at every batch and tree size; that the
-tensor walk reads nothing at any vocabulary is ``tests/test_verify.py``'s.
+tensor walk reads nothing at any vocabulary is ``tests/test_verify.py``'s. Its drafter pass runs at the static,
+bucketed shapes a CUDA graph replays (``GLANCE_SGL_STATIC_DRAFT=1``: ``draft_graph.DraftPassRunner``, eagerly).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def run(checkpoints, tmp_path_factory):
     logs = tmp_path_factory.mktemp("radix_logs")
     env = {**STRICT, **RETRACT}
     device_step = {"GLANCE_SGL_DEVICE_STEP": "1", "GLANCE_SGL_COUNT_HOST_READS": "1", "GLANCE_PLANNER": "random:3",
+                   "GLANCE_SGL_STATIC_DRAFT": "1",  # the drafter pass at the CUDA-graph runner's static shapes
                    "GLANCE_COST_CACHE": str(logs / "costs")}
     glance = EngineProcess(cpu_engine_kwargs(target, drafter, **SETTINGS), env={**env, **device_step},
                            log_path=logs / "glance.log", wait=False)
@@ -121,6 +123,7 @@ def test_the_cache_was_hit_requests_were_retracted_and_nothing_leaked(run):
     log = (run["logs"] / "glance.log").read_text()
     assert "Retract requests" in log or "Testing retraction" in log
     assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
+    assert "drafter pass at static shapes up to batch 48 (eager)" in log  # GLANCE_SGL_STATIC_DRAFT=1 took effect
 
 
 def test_device_step_host_reads_are_few_and_independent_of_batch_and_tree_size(run):
