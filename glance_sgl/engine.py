@@ -24,6 +24,7 @@ import torch
 
 from .drafter import DrafterCache, GlanceDrafter, draft_logprobs
 from .metrics import RequestMetrics, entropy_nats
+from .special_tokens import SpecialTokenGuard, special_token_message
 from .planner import (PLANNER_MODES, CostModel, Planner, PlannerMode, calibrate, cost_key, default_row_grid, load_costs,
                       save_costs)
 from .target import PreparedPrompt, RowsOutput, TargetAdapter, TargetError, TargetState
@@ -32,6 +33,7 @@ from .verify import SamplingSpec, target_choices, verify_tree
 
 Mode = Literal["glance", "chain", "ar"]
 MAX_STOP_STRINGS = 8
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(ValueError):
@@ -44,13 +46,16 @@ class RequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    """Sampling parameters of one request. ``temperature == 0`` is greedy; ``seed`` None draws one."""
+    """Sampling parameters of one request. ``temperature == 0`` is greedy; ``seed`` None draws one.
+    ``logprobs``: None (off) or k in 0..20: return each committed token's log-probability and its k best
+    alternatives (:class:`TokenLogprob`)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -61,6 +66,33 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs!r}",
+                               param="logprobs")
+
+
+@dataclass
+class TokenLogprob:
+    """One committed token's log-probability under the target (natural log of the softmax of the target's raw
+    logits: temperature 1, before top-p) at the pass that chose it, and the ``top`` k alternatives
+    [(token_id, logprob)], best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens`` [n] under the rows ``logits`` [n, V] that chose them, with the top ``k``."""
+    lp = torch.log_softmax(logits[: len(tokens)].detach().float().cpu(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if k > 0:
+        values, ids = lp.topk(k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
 
 
 @dataclass
@@ -69,6 +101,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
     metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, with SamplingParams.logprobs
 
     def to_dict(self, per_round: bool = False) -> dict[str, Any]:
         return {
@@ -98,21 +131,25 @@ class DraftState:
 @dataclass
 class RoundRecord:
     """What one round did: ``nodes`` verified tree nodes (0: the pass verified the root only), ``accepted``
-    of them, the root entropy (nats), the planner's predicted tokens and whether the drafter ran."""
+    of them, the root entropy (nats), the planner's predicted tokens, whether the drafter ran, and the target's
+    logits [n, V] of the rows that chose the n committed tokens (root first; for logprobs)."""
 
     nodes: int
     accepted: int
     root_entropy: float
     predicted: float | None
     drafter_ran: bool
+    choice_logits: torch.Tensor | None = None
 
 
 @dataclass
 class StreamDelta:
-    """Newly committed tokens and the text they complete (text may lag tokens at a stop-string prefix)."""
+    """Newly committed tokens and the text they complete (text may lag tokens at a stop-string prefix);
+    ``logprobs`` one per token when the request asked for them."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class _Output:
@@ -121,22 +158,25 @@ class _Output:
     def __init__(self, tokenizer, eos_ids: set[int], params: SamplingParams) -> None:
         self.tokenizer, self.eos_ids, self.params = tokenizer, eos_ids, params
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.emitted_chars = 0
         self.finish_reason: str | None = None
         self._stop_cut: int | None = None
 
-    def add(self, tokens: list[int]) -> int:
-        """Append tokens until a stop condition; returns how many were kept.
+    def add(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
+        """Append tokens (and their ``logprobs``, when tracked) until a stop condition; returns how many were kept.
 
         Stop strings are searched once per call in the newly decoded tail (not once per token over the whole
         text), and only on a hit is the token that completes the stop string looked up.
         """
         before_tokens, before_chars = len(self.token_ids), len(self.text)
-        for tok in tokens:
+        for n, tok in enumerate(tokens):
             if self.finish_reason is not None:
                 break
             self.token_ids.append(tok)
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs.append(logprobs[n])
             if tok in self.eos_ids:
                 self.finish_reason = "stop"
             elif len(self.token_ids) >= self.params.max_tokens:
@@ -164,6 +204,8 @@ class _Output:
             cut = self._first_stop(text)
             if cut is not None:
                 del self.token_ids[n:]
+                if self.logprobs is not None:
+                    del self.logprobs[n:]
                 self._stop_cut, self.finish_reason = cut, "stop"
                 return text
         raise AssertionError("stop string found in the text but in no token prefix")
@@ -181,7 +223,8 @@ class _Output:
                         break
         piece = self.text[self.emitted_chars : end]
         self.emitted_chars = max(self.emitted_chars, end)
-        return StreamDelta(token_ids=new_tokens, text=piece)
+        lps = self.logprobs[len(self.logprobs) - len(new_tokens):] if self.logprobs is not None else None
+        return StreamDelta(token_ids=new_tokens, text=piece, logprobs=lps)
 
 
 class GlanceEngine:
@@ -229,6 +272,7 @@ class GlanceEngine:
         self._costs: CostModel | None = None
         self._planners: dict[str, Planner] = {}
         self._rids = itertools.count()
+        self.special_tokens = SpecialTokenGuard(target.tokenizer)
 
     @classmethod
     def load(
@@ -311,18 +355,23 @@ class GlanceEngine:
     # ------------------------------------------------------------------ public API
     def generate(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[dict[str, Any]] | str,
         params: SamplingParams | None = None,
         mode: Mode | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         planner: PlannerMode | None = None,
     ) -> GenerationResult:
-        """Run one request to completion. ``on_delta`` receives committed tokens as they land;
+        """Run one request to completion. ``messages``: chat messages (the chat template applies) or a string
+        (a raw text prompt, tokenised as is). ``on_delta`` receives committed tokens as they land;
         ``should_stop`` is polled between rounds (True cancels: finish_reason "cancelled"). ``planner``
-        ("auto" / "fixed") overrides the engine's default for mode "glance"."""
+        ("auto" / "fixed") overrides the engine's default for mode "glance". Text holding a special-token string
+        (``<|image_pad|>``, ``<|im_start|>``, ...) is refused (:class:`RequestError`, code
+        ``special_token_in_text``)."""
         params = params or SamplingParams()
         params.validate()
+        if (hit := self.special_tokens.check_messages(messages)) is not None:
+            raise RequestError(special_token_message(*hit), "special_token_in_text", hit[0])
         mode = mode or self.mode
         if mode != "ar" and self.drafter is None:
             raise RequestError(f"mode {mode!r} needs a drafter; this engine has none")
@@ -333,11 +382,19 @@ class GlanceEngine:
         with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
             plan = self.planner(planner) if mode == "glance" else None
             t0 = time.perf_counter()
-            prompt = self.target.prepare(messages)
+            prompt = self.target.prepare(messages) if not isinstance(messages, str) else self._prepare_text(messages)
             prepare_ms = (time.perf_counter() - t0) * 1000.0
             return self._run(prompt, prepare_ms, params, mode, plan, on_delta, should_stop)
 
-    def stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+    def _prepare_text(self, text: str) -> PreparedPrompt:
+        """A raw text prompt (no chat template, no images) -> model inputs: input_ids [1, P] and the rest."""
+        if not text:
+            raise RequestError("the prompt is empty", "invalid_value", "prompt")
+        inputs = self.target.processor(text=[text], return_tensors="pt")
+        return PreparedPrompt(inputs={k: v.to(self.target.device) for k, v in inputs.items()
+                                      if isinstance(v, torch.Tensor)}, num_images=0)
+
+    def stream(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None,
                mode: Mode | None = None, planner: PlannerMode | None = None
                ) -> Iterator[StreamDelta | GenerationResult]:
         """Yield :class:`StreamDelta` items as tokens commit, then the final :class:`GenerationResult`.
@@ -389,7 +446,8 @@ class GlanceEngine:
         if mode != "ar":
             draft = DraftState(self._start_drafter(rows.taps), next(self._rids), planner,
                                lead_entropy=entropy_nats(rows.logits[-1]))
-        out.add([first])
+        k = params.logprobs
+        out.add([first], token_logprobs(rows.logits[-1:], [first], k) if k is not None else None)
         metrics.prefill_ms = prepare_ms + (time.perf_counter() - t0) * 1000.0
         self._emit(on_delta, out, [first])
 
@@ -400,12 +458,15 @@ class GlanceEngine:
                     out.finish_reason = "cancelled"
                     break
                 if draft is None:
-                    new_tokens = self.ar_step(state, out.token_ids, spec)
-                    kept = out.add(new_tokens)
+                    token, ar_rows = self._ar_pass(state, out.token_ids, spec)
+                    new_tokens = [token]
+                    kept = out.add(new_tokens, token_logprobs(ar_rows.logits, new_tokens, k) if k is not None
+                                   else None)
                     metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None)
                 else:
                     new_tokens, rec = self.speculative_round(state, draft, out.token_ids, spec, mode)
-                    kept = out.add(new_tokens)
+                    kept = out.add(new_tokens, token_logprobs(rec.choice_logits, new_tokens, k) if k is not None
+                                   else None)
                     metrics.record_round(drafted=rec.nodes, accepted=rec.accepted, committed=kept,
                                          root_entropy=rec.root_entropy, predicted=rec.predicted,
                                          drafter_ran=rec.drafter_ran)
@@ -416,7 +477,7 @@ class GlanceEngine:
         metrics.decode_ms = (time.perf_counter() - t1) * 1000.0
         metrics.completion_tokens = len(out.token_ids)
         return GenerationResult(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-                                metrics=metrics)
+                                metrics=metrics, logprobs=out.logprobs)
 
     def _taps(self, mode: Mode) -> list[int] | None:
         return self.drafter.config.tap_layers if mode != "ar" and self.drafter is not None else None
@@ -466,7 +527,8 @@ class GlanceEngine:
             planner.costs.observe_verify(1, 1, (time.perf_counter() - t0) * 1000.0)
             draft.stash.append(rows.taps)
             draft.lead_entropy = entropy = entropy_nats(rows.logits[0])
-            return [token], RoundRecord(0, 0, entropy, plan.expected_tokens[0], drafter_ran=False)
+            return [token], RoundRecord(0, 0, entropy, plan.expected_tokens[0], drafter_ran=False,
+                                        choice_logits=rows.logits[:1])
 
         t0 = time.perf_counter()
         if draft.stash:  # tokens committed without drafting join the head's context in one call
@@ -504,7 +566,8 @@ class GlanceEngine:
             planner.costs.observe_verify(tree.num_rows, 1, (t5 - t4) * 1000.0)
             planner.costs.observe_overhead((t1 - t0 + t4 - t3 + t6 - t5) * 1000.0)
         predicted = plan.expected_tokens[0] if plan is not None else None
-        return walk.committed(tree.tokens)[0], RoundRecord(tree.num_nodes, accepted, root_entropy, predicted, True)
+        return walk.committed(tree.tokens)[0], RoundRecord(tree.num_nodes, accepted, root_entropy, predicted, True,
+                                                           choice_logits=logits[0, path])
 
     def ar_step(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> list[int]:
         """One autoregressive step: the last committed token through the target, one new token out."""
@@ -528,4 +591,5 @@ def default_max_nodes(budget: int, block_size: int, branch_k: int) -> int:
     return max(budget, min(max(2 * budget + 1, 31), 63, cap))
 
 
-__all__ = ["GlanceEngine", "SamplingParams", "GenerationResult", "StreamDelta", "RequestError", "TargetError"]
+__all__ = ["GlanceEngine", "SamplingParams", "GenerationResult", "StreamDelta", "RequestError", "TargetError",
+           "TokenLogprob", "token_logprobs"]

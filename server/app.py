@@ -1,9 +1,12 @@
 """The FastAPI app: routes, the ASGI guards (metrics, API key, body size) and the job consumers.
 
-Endpoints: ``POST /v1/chat/completions`` (OpenAI; SSE with ``stream: true``), ``POST /v1/generate``
+Endpoints: ``POST /v1/chat/completions`` (OpenAI; SSE with ``stream: true``), ``POST /v1/completions`` (OpenAI's
+legacy text completions: a raw prompt, no chat template), ``POST /v1/generate``
 (multipart: image file(s) + prompt -> JSON), ``POST /generate`` (SGLang's native format, answered by this
-gateway's backend), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (readiness),
-``GET /metrics`` (Prometheus). Every error is an OpenAI-style body with a 4xx/5xx status.
+gateway's backend), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (liveness), ``GET /ready`` (readiness),
+``GET /metrics`` (Prometheus). Every error is an OpenAI-style body with a 4xx/5xx status; a
+streamed request that cannot start (validation, context length, a refused prompt) gets its status before the
+stream opens (:meth:`Gateway.open_stream`).
 """
 
 from __future__ import annotations
@@ -20,15 +23,20 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import UploadFile
 
+from glance_sgl.engine import MAX_TOP_LOGPROBS
+
 from .config import ServerConfig
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, body_parse_error
 from .images import decode_data_url, decode_image
 from .jobs import Backend, GenOutput, GenRequest, Job
-from .protocol import (PLANNERS, ChatRequest, check_model, check_planner, chat_request, chunk_body,
-                       completion_body, sampling_params, usage)
-from .sglang import meta_info, parse_prompt, render_prompt
+from .logprobs import TokenTable, to_sglang
+from .protocol import (PLANNERS, ChatRequest, CompletionRequest, check_model, check_planner, check_text,
+                       chat_request, chunk_body, completion_body, completion_request, sampling_params,
+                       text_chunk_body, text_completion_body, usage)
+from .sglang import IM_START, meta_info, parse_prompt, render_prompt
 from .playground import PLAYGROUND_PATHS, router as playground_router
 from .telemetry import Telemetry
 
@@ -85,6 +93,10 @@ class Guards:
         """Reads the body up front (at most the limit) and replays it; 413 beyond the limit."""
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return receive, None
+        encoding = dict(scope["headers"]).get(b"content-encoding", b"").decode("latin-1").strip().lower()
+        if encoding not in ("", "identity"):
+            return receive, APIError(415, f"Content-Encoding {encoding!r} is not supported; send the body "
+                                     "uncompressed", "unsupported_content_encoding")
         limit = self.config.max_body_bytes
         too_big = APIError(413, f"request body is larger than {limit} bytes", "request_too_large")
         length = dict(scope["headers"]).get(b"content-length")
@@ -102,7 +114,9 @@ class Guards:
                 return receive, too_big
             if not message.get("more_body", False):
                 break
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}] if chunks is not None \
+        body = b"".join(chunks) if chunks is not None else b""
+        scope.setdefault("state", {})["raw_body"] = body
+        replay = [{"type": "http.request", "body": body, "more_body": False}] if chunks is not None \
             else [{"type": "http.disconnect"}]
 
         async def replay_receive():
@@ -130,6 +144,7 @@ class Gateway:
 
     def submit(self, req: GenRequest) -> Job:
         try:
+            self.backend.check_text(req)
             job = self.backend.submit(req)
         except APIError as exc:
             self.observe("error", exc)
@@ -179,13 +194,41 @@ class Gateway:
             job.cancel()
         raise APIError(500, "the job ended without a result", "internal_error")
 
-    async def stream(self, job: Job, t0: float, chunks) -> AsyncIterator[bytes]:
-        """SSE framing of a job; ``chunks`` turns events into JSON objects. When the client goes, Starlette
-        cancels this generator and the job is cancelled with it."""
+    async def open_stream(self, job: Job, request: Request, t0: float, chunks) -> StreamingResponse:
+        """The SSE response of a job, opened only once its first event is in: an error found while preparing
+        the request (context length, a prompt the processor refuses, an upstream 4xx) is raised here, so the
+        client gets its 4xx instead of a 200 and an error event. A client that goes away meanwhile cancels it."""
+        events = self.events(job, t0)
+        watcher = asyncio.create_task(wait_disconnect(request))
+        watcher.add_done_callback(lambda task: job.cancel() if not task.cancelled() else None)
+        try:
+            first = await anext(events)
+        except BaseException:
+            job.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if first[0] == "error":
+            job.cancel()
+            raise first[1]
+        return StreamingResponse(self.stream(job, chunks, first, events), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    async def stream(self, job: Job, chunks, first: tuple[str, Any],
+                     events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[bytes]:
+        """SSE framing of a job's events (``first``, then the rest of ``events``); ``chunks`` turns events into
+        JSON objects. When the client goes, Starlette cancels this generator and the job is cancelled with it."""
+
+        async def all_events():
+            yield first
+            if first[0] not in ("done", "error"):
+                async for event in events:
+                    yield event
+
         try:
             for obj in chunks.start():
                 yield sse(obj)
-            async for kind, payload in self.events(job, t0):
+            async for kind, payload in all_events():
                 objs = (chunks.delta(payload) if kind == "delta" else chunks.done(payload) if kind == "done"
                         else [payload.body()])
                 for obj in objs:
@@ -205,16 +248,24 @@ class ChatChunks:
     """OpenAI chat.completion.chunk objects. The ``glance`` object rides on the last chunk before [DONE]
     (the usage chunk with ``stream_options.include_usage``, else the chunk with ``finish_reason``)."""
 
-    def __init__(self, rid: str, model: str, include_usage: bool) -> None:
+    def __init__(self, rid: str, model: str, include_usage: bool, tokens: TokenTable | None = None) -> None:
         self.rid, self.model, self.include_usage = rid, model, include_usage
+        self.tokens = tokens  # with logprobs: the token table that names them
         self.created = int(time.time())
 
     def start(self):
         yield chunk_body(self.rid, self.model, self.created, {"role": "assistant", "content": ""})
 
+    def logprobs(self, delta) -> dict[str, Any] | None:
+        """The chunk's ``logprobs`` (``{"content": [...]}`` for the delta's tokens) or None."""
+        if self.tokens is None or not getattr(delta, "logprobs", None):
+            return None
+        return {"content": self.tokens.chat_entries(delta.logprobs)}
+
     def delta(self, delta):
-        if delta.text:
-            yield chunk_body(self.rid, self.model, self.created, {"content": delta.text})
+        logprobs = self.logprobs(delta)
+        if delta.text or logprobs:
+            yield chunk_body(self.rid, self.model, self.created, {"content": delta.text}, logprobs=logprobs)
 
     def done(self, out: GenOutput, **extra):
         if self.include_usage:
@@ -238,8 +289,9 @@ class RoundChunks(ChatChunks):
     ``spec_num_correct_drafts``; a chunk spanning several rounds has ``round`` null; without those counts
     (no speculation upstream) only ``tokens`` is known."""
 
-    def __init__(self, rid: str, model: str, include_usage: bool, tokenizer=None) -> None:
-        super().__init__(rid, model, include_usage)
+    def __init__(self, rid: str, model: str, include_usage: bool, tokenizer=None,
+                 tokens: TokenTable | None = None) -> None:
+        super().__init__(rid, model, include_usage, tokens)
         self.tokenizer = tokenizer
         self.index = 0  # chunks so far
         self.verify_ct = 0  # upstream rounds so far
@@ -271,7 +323,8 @@ class RoundChunks(ChatChunks):
         info["bonus_text"] = self._bonus_text(delta.token_ids, info["bonus"])
         self.accepted += info["accepted"] or 0
         self.last = {"info": info, "token_ids": list(delta.token_ids)}
-        yield chunk_body(self.rid, self.model, self.created, {"content": delta.text}, glance_round=info)
+        yield chunk_body(self.rid, self.model, self.created, {"content": delta.text}, logprobs=self.logprobs(delta),
+                         glance_round=info)
 
     def done(self, out: GenOutput):
         extra = {}
@@ -287,11 +340,43 @@ class RoundChunks(ChatChunks):
         yield from super().done(out, **extra)
 
 
-class NativeChunks:
-    """SGLang ``/generate`` stream objects: cumulative text and output_ids, meta_info on every chunk."""
+class CompletionChunks:
+    """OpenAI text_completion stream objects (legacy completions); ``glance`` rides on the last one, as in
+    :class:`ChatChunks`. ``tokens``: with logprobs, the token table (legacy format, ``top`` alternatives when
+    ``with_top``)."""
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, model: str, include_usage: bool, tokens: TokenTable | None = None,
+                 with_top: bool = False) -> None:
+        self.rid, self.model, self.include_usage = rid, model, include_usage
+        self.tokens, self.with_top = tokens, with_top
+        self.created = int(time.time())
+        self.offset = 0  # characters of the completion so far (text_offset)
+
+    def start(self):
+        return ()
+
+    def delta(self, delta):
+        logprobs = None
+        if self.tokens is not None and getattr(delta, "logprobs", None):
+            logprobs = self.tokens.legacy(delta.logprobs, self.offset, self.with_top)
+            self.offset += sum(len(t) for t in logprobs["tokens"])
+        if delta.text or logprobs:
+            yield text_chunk_body(self.rid, self.model, self.created, delta.text, logprobs=logprobs)
+
+    def done(self, out: GenOutput):
+        if self.include_usage:
+            yield text_chunk_body(self.rid, self.model, self.created, "", out.finish_reason)
+            yield text_chunk_body(self.rid, self.model, self.created, None, usage=usage(out), glance=out.glance)
+        else:
+            yield text_chunk_body(self.rid, self.model, self.created, "", out.finish_reason, glance=out.glance)
+
+
+class NativeChunks:
+    """SGLang ``/generate`` stream objects: cumulative text, output_ids (and logprobs), meta_info on every chunk."""
+
+    def __init__(self, rid: str, top_logprobs: int | None = None) -> None:
         self.rid, self.text, self.ids = rid, "", []
+        self.top, self.logprobs = top_logprobs, []
         self.t0 = time.perf_counter()
 
     def start(self):
@@ -300,19 +385,24 @@ class NativeChunks:
     def delta(self, delta):
         self.text += delta.text
         self.ids += delta.token_ids
-        yield {"text": self.text, "output_ids": list(self.ids),
-               "meta_info": meta_info(self.rid, None, len(self.ids), None, self._elapsed())}
+        self.logprobs += delta.logprobs or []
+        info = meta_info(self.rid, None, len(self.ids), None, self._elapsed())
+        if self.top is not None:
+            info.update(to_sglang(self.logprobs, self.top))
+        yield {"text": self.text, "output_ids": list(self.ids), "meta_info": info}
 
     def done(self, out: GenOutput):
-        yield native_body(self.rid, out, self._elapsed())
+        yield native_body(self.rid, out, self._elapsed(), self.top)
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
 
-def native_body(rid: str, out: GenOutput, e2e_latency: float) -> dict[str, Any]:
-    return {"text": out.text, "output_ids": list(out.token_ids),
-            "meta_info": meta_info(rid, out, out.completion_tokens, out.prompt_tokens, e2e_latency)}
+def native_body(rid: str, out: GenOutput, e2e_latency: float, top_logprobs: int | None = None) -> dict[str, Any]:
+    info = meta_info(rid, out, out.completion_tokens, out.prompt_tokens, e2e_latency)
+    if top_logprobs is not None:
+        info.update(to_sglang(out.logprobs or [], top_logprobs))
+    return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": info}
 
 
 # ------------------------------------------------------------------------------------------------ the app
@@ -354,14 +444,17 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
         log.error("unhandled error on %s: %r", request.url.path, exc)
         return APIError(500, "internal server error", "internal_error").response()
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, _exc):
-        return APIError(404, f"no route {request.method} {request.url.path}", "not_found").response()
-
-    @app.exception_handler(405)
-    async def not_allowed(request: Request, _exc):
-        return APIError(405, f"method {request.method} not allowed on {request.url.path}",
-                        "method_not_allowed").response()
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """Starlette's / FastAPI's own errors (no route, wrong method, an unparsable body) in the OpenAI body."""
+        if exc.status_code == 404:
+            return APIError(404, f"no route {request.method} {request.url.path}", "not_found").response()
+        if exc.status_code == 405:
+            return APIError(405, f"method {request.method} not allowed on {request.url.path}",
+                            "method_not_allowed").response()
+        if exc.status_code == 400:  # FastAPI: "There was an error parsing the body"
+            return body_parse_error(request.scope.get("state", {}).get("raw_body")).response()
+        return APIError(exc.status_code, str(exc.detail), "http_error").response()
 
     # -------------------------------------------------------------- probes and metadata
     @app.get("/health")
@@ -378,10 +471,18 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
     async def metrics():
         return Response(gw.telemetry.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict[str, Any]:
+        return {"id": config.served_model_name, "object": "model", "created": gw.started, "owned_by": "glance",
+                "glance": backend.describe()}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": gw.started,
-                                            "owned_by": "glance", "glance": backend.describe()}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id, config)
+        return model_card()
 
     # -------------------------------------------------------------- generation
     @app.post("/v1/chat/completions")
@@ -390,13 +491,33 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
         req = await chat_request(body, config, gw.http)
         job = gw.submit(req)
         model = config.served_model_name
+        tokens = backend.tokens if req.params.logprobs is not None else None
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = (RoundChunks(req.request_id, model, include, getattr(processor, "tokenizer", None))
-                      if body.glance and body.glance.stream_rounds else ChatChunks(req.request_id, model, include))
-            return StreamingResponse(gw.stream(job, t0, chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+            chunks = (RoundChunks(req.request_id, model, include, getattr(processor, "tokenizer", None), tokens)
+                      if body.glance and body.glance.stream_rounds
+                      else ChatChunks(req.request_id, model, include, tokens))
+            return await gw.open_stream(job, request, t0, chunks)
         out = await gw.collect(job, request, t0)
-        return completion_body(req.request_id, model, out)
+        logprobs = {"content": tokens.chat_entries(out.logprobs or [])} if tokens is not None else None
+        return completion_body(req.request_id, model, out, logprobs)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI's legacy text completions: ``prompt`` is raw text (no chat template), no images."""
+        t0 = time.perf_counter()
+        req = completion_request(body, config)
+        job = gw.submit(req)
+        model = config.served_model_name
+        tokens = backend.tokens if req.params.logprobs is not None else None
+        with_top = bool(req.params.logprobs)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return await gw.open_stream(job, request, t0,
+                                        CompletionChunks(req.request_id, model, include, tokens, with_top))
+        out = await gw.collect(job, request, t0)
+        logprobs = tokens.legacy(out.logprobs or [], 0, with_top) if tokens is not None else None
+        return text_completion_body(req.request_id, model, out, logprobs)
 
     @app.post("/v1/generate")
     async def generate_multipart(request: Request):
@@ -414,18 +535,19 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
             """SGLang's native format, answered by this gateway's backend (``text`` must be a chat-template
             prompt; ``image_data``: base64 data URLs only — never paths or URLs)."""
             t0 = time.perf_counter()
+            raw = await request.body()
             try:
-                body = json.loads(await request.body())
-            except ValueError as exc:
-                raise bad_request("the request body is not valid JSON") from exc
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                raise body_parse_error(raw) from exc
             req = await native_request(body, config, processor)
             job = gw.submit(req)
             rid = str(body.get("rid") or req.request_id)
+            top = req.params.logprobs
             if body.get("stream"):
-                return StreamingResponse(gw.stream(job, t0, NativeChunks(rid)),
-                                         media_type="text/event-stream", headers=SSE_HEADERS)
+                return await gw.open_stream(job, request, t0, NativeChunks(rid, top))
             out = await gw.collect(job, request, t0)
-            return native_body(rid, out, time.perf_counter() - t0)
+            return native_body(rid, out, time.perf_counter() - t0, top)
 
     return Guards(app, config, gw.telemetry)
 
@@ -452,6 +574,7 @@ async def multipart_request(request: Request, config: ServerConfig) -> GenReques
     prompt = form.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise bad_request("the form needs a non-empty 'prompt' field", "invalid_value", "prompt")
+    check_text(prompt, "prompt")
     files = [f for key in ("image", "images") for f in form.getlist(key) if isinstance(f, UploadFile)]
     if len(files) > config.max_images:
         raise bad_request(f"{len(files)} images; this server allows at most {config.max_images}", "too_many_images",
@@ -480,9 +603,12 @@ async def multipart_request(request: Request, config: ServerConfig) -> GenReques
 
 
 async def native_request(body: Any, config: ServerConfig, processor) -> GenRequest:
-    """SGLang ``/generate`` JSON -> request (the prompt is parsed back into messages and re-rendered to check)."""
+    """SGLang ``/generate`` JSON -> request. A chat-template prompt is parsed back into messages and re-rendered
+    to check; text that does not start with the template (and comes without images) is a raw prompt.
+    ``return_logprob`` / ``top_logprobs_num`` ask for the output tokens' logprobs."""
     if not isinstance(body, dict) or not isinstance(body.get("text"), str):
         raise bad_request("'text' (a chat-template prompt string) is required", "invalid_value", "text")
+    check_text(body["text"], "text")
     raw = body.get("image_data") or []
     raw = [raw] if isinstance(raw, str) else raw
     if not isinstance(raw, list) or len(raw) > config.max_images:
@@ -494,10 +620,21 @@ async def native_request(body: Any, config: ServerConfig, processor) -> GenReque
             raise bad_request("image_data entries must be strings", "invalid_value", "image_data")
         url = item if item.startswith("data:") else "data:image/png;base64," + item
         images.append(await asyncio.to_thread(decode_data_url, url, config, f"image_data[{k}]"))
-    messages = parse_prompt(body["text"], images)
-    rendered, _ = render_prompt(processor, messages)
-    if rendered != body["text"]:
-        raise bad_request("text is not in this model's chat format", "invalid_prompt", "text")
+    raw_prompt = None
+    if not images and body["text"] and not body["text"].startswith(IM_START):
+        messages, raw_prompt = [], body["text"]
+    else:
+        messages = parse_prompt(body["text"], images)
+        rendered, _ = render_prompt(processor, messages)
+        if rendered != body["text"]:
+            raise bad_request("text is not in this model's chat format", "invalid_prompt", "text")
+    logprobs = None
+    if body.get("return_logprob"):
+        top = body.get("top_logprobs_num") or 0
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs_num must be an integer in 0..{MAX_TOP_LOGPROBS}", "invalid_value",
+                              "top_logprobs_num")
+        logprobs = top
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise bad_request("sampling_params must be an object", "invalid_value", "sampling_params")
@@ -506,5 +643,5 @@ async def native_request(body: Any, config: ServerConfig, processor) -> GenReque
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise bad_request(f"sampling_params.{name} must be an integer", "invalid_value", f"sampling_params.{name}")
     params = sampling_params(config, sp.get("max_new_tokens", 128), sp.get("temperature", 1.0), sp.get("top_p"),
-                             sp.get("stop"), seed, "sampling_params.max_new_tokens")
-    return GenRequest(messages=messages, params=params)
+                             sp.get("stop"), seed, "sampling_params.max_new_tokens", logprobs)
+    return GenRequest(messages=messages, params=params, prompt=raw_prompt)

@@ -29,6 +29,7 @@ from glance_sgl.target import TargetError
 from .config import ServerConfig
 from .errors import APIError, bad_request
 from .jobs import Backend, GenOutput, GenRequest, Job, queue_full
+from .logprobs import TokenTable
 from .protocol import check_planner, glance_object
 
 log = logging.getLogger("glance_server")
@@ -70,6 +71,8 @@ class EmbeddedBackend(Backend):
     def __init__(self, engine: GlanceEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
+        self.guard = engine.special_tokens
+        self.tokens = TokenTable(engine.target.tokenizer)
         self.default_mode = engine.mode
         self.default_planner = engine.planner_mode if engine.drafter is not None else None
         self._pending: collections.deque[Job] = collections.deque()
@@ -198,7 +201,7 @@ class EmbeddedBackend(Backend):
         params = req.params
         if req.measure_speedup and params.seed is None:  # both runs must draw the same samples
             params = SamplingParams(params.max_tokens, params.temperature, params.top_p, list(params.stop),
-                                    random.getrandbits(62))
+                                    random.getrandbits(62), params.logprobs)
         deltas = 0
 
         def on_delta(delta) -> None:
@@ -209,14 +212,15 @@ class EmbeddedBackend(Backend):
             job.post("delta", delta)
 
         mode = req.mode or self.default_mode
-        result = self.engine.generate(req.messages, params, mode=mode, planner=req.planner, on_delta=on_delta,
+        prompt = req.prompt if req.prompt is not None else req.messages
+        result = self.engine.generate(prompt, params, mode=mode, planner=req.planner, on_delta=on_delta,
                                       should_stop=job.cancelled.is_set)
         estimate = self.ar_ms_per_token
         measured = None
         if mode == "ar":
             self._observe_ar(result)
         elif req.measure_speedup and result.finish_reason != "cancelled":
-            ar = self.engine.generate(req.messages, params, mode="ar", should_stop=job.cancelled.is_set)
+            ar = self.engine.generate(prompt, params, mode="ar", should_stop=job.cancelled.is_set)
             self._observe_ar(ar)
             measured = measured_speedup(result, ar)
         metrics = result_metrics(result)
@@ -224,7 +228,7 @@ class EmbeddedBackend(Backend):
                                measured=measured, **metrics)
         return GenOutput(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
                          prompt_tokens=result.metrics.prompt_tokens, completion_tokens=len(result.token_ids),
-                         glance=glance)
+                         glance=glance, logprobs=result.logprobs)
 
 
 def measured_speedup(spec: GenerationResult, ar: GenerationResult) -> dict[str, Any]:

@@ -38,3 +38,23 @@ class APIError(Exception):
 
 def bad_request(message: str, code: str = "invalid_request", param: str | None = None) -> APIError:
     return APIError(400, message, code, param)
+
+
+def body_parse_error(raw: bytes | None) -> APIError:
+    """Why a JSON request body could not be parsed: not UTF-8, nested too deeply, or not JSON (400)."""
+    import json
+
+    if raw is None:
+        return bad_request("the request body could not be parsed as JSON", "invalid_json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return bad_request(f"the request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+                           "invalid_utf8")
+    try:
+        json.loads(text)
+    except RecursionError:
+        return bad_request("the request body's JSON is nested too deeply", "json_too_deep")
+    except ValueError as exc:
+        return bad_request(f"the request body is not valid JSON ({exc})", "invalid_json")
+    return bad_request("the request body could not be parsed as JSON", "invalid_json")

@@ -15,14 +15,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from glance_sgl.engine import SamplingParams
+from glance_sgl.engine import SamplingParams, TokenLogprob
+from glance_sgl.special_tokens import SpecialTokenGuard, special_token_message
 
 from .errors import APIError
 
 
 @dataclass
 class GenRequest:
-    """A validated request: engine-format messages (PIL images in ``{"type": "image"}`` parts)."""
+    """A validated request: engine-format messages (PIL images in ``{"type": "image"}`` parts), or a raw text
+    ``prompt`` (legacy completions: no chat template; ``messages`` empty)."""
 
     messages: list[dict[str, Any]]
     params: SamplingParams
@@ -30,6 +32,7 @@ class GenRequest:
     planner: str | None = None  # "auto" | "fixed" | None (the backend's default); mode "glance" only
     measure_speedup: bool = False
     debug_fault: str | None = None
+    prompt: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -43,6 +46,7 @@ class GenOutput:
     prompt_tokens: int
     completion_tokens: int
     glance: dict[str, Any]
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 class Job:
@@ -93,6 +97,16 @@ class Backend:
 
     name = "base"
     default_mode = "glance"
+    guard: SpecialTokenGuard | None = None  # the model's special-token strings, refused in user text
+    tokens: Any = None  # logprobs.TokenTable of the model's tokenizer (token strings for logprobs)
+
+    def check_text(self, request: GenRequest) -> None:
+        """400 ``special_token_in_text`` when a message (or the raw prompt) holds a special-token string."""
+        if self.guard is None:
+            return
+        hit = self.guard.check_messages(request.prompt if request.prompt is not None else request.messages)
+        if hit is not None:
+            raise APIError(400, special_token_message(*hit), "special_token_in_text", hit[0])
 
     async def start(self) -> None: ...
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
-from glance_sgl.engine import MAX_STOP_STRINGS, SamplingParams
+from glance_sgl.engine import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 
 from .config import ServerConfig
 from .errors import APIError, bad_request
@@ -83,6 +83,8 @@ class ChatRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -90,7 +92,39 @@ class ChatRequest(BaseModel):
     glance: GlanceOptions | None = None
 
 
+class CompletionRequest(BaseModel):
+    """OpenAI's legacy ``POST /v1/completions``: one raw text prompt (no chat template), text only."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | list[Any]
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+    suffix: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    glance: GlanceOptions | None = None
+
+
 # ------------------------------------------------------------------------------------------------ parsing
+def check_text(text: str, where: str) -> None:
+    """Text must be valid Unicode (a lone surrogate such as ``\\ud800`` from a JSON escape is not): 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{where} is not valid Unicode text: lone surrogate {text[exc.start]!r} at character "
+                          f"{exc.start}", "invalid_unicode", where) from exc
+
 def check_model(model: str | None, config: ServerConfig) -> None:
     if model is not None and model != config.served_model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {config.served_model_name!r}",
@@ -98,8 +132,10 @@ def check_model(model: str | None, config: ServerConfig) -> None:
 
 
 def sampling_params(config: ServerConfig, max_tokens: int | None, temperature: float | None, top_p: float | None,
-                    stop: str | list[str] | None, seed: int | None, param: str = "max_tokens") -> SamplingParams:
-    """Validated sampling parameters (OpenAI ranges; the server's token limit)."""
+                    stop: str | list[str] | None, seed: int | None, param: str = "max_tokens",
+                    logprobs: int | None = None) -> SamplingParams:
+    """Validated sampling parameters (OpenAI ranges; the server's token limit). ``logprobs``: None or the
+    number of top alternatives (0..20) per token."""
     if max_tokens is None:
         max_tokens = config.default_max_tokens
     if max_tokens < 1:
@@ -116,15 +152,45 @@ def sampling_params(config: ServerConfig, max_tokens: int | None, temperature: f
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "invalid_value", "stop")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed)
+    for k, s in enumerate(stops):
+        check_text(s, f"stop[{k}]")
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
+                          logprobs=logprobs)
 
 
-def reject_unsupported(body: ChatRequest) -> None:
+def chat_logprobs(body: ChatRequest) -> int | None:
+    """The chat request's ``logprobs`` / ``top_logprobs`` -> None (off) or the top count; 400 like OpenAI for
+    ``top_logprobs`` without ``logprobs`` or out of 0..20."""
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "invalid_value", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.top_logprobs}",
+                              "invalid_value", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def check_response_format(response_format: dict[str, Any] | None) -> None:
+    """``text`` is the default; ``json_object`` / ``json_schema`` are refused (400 ``unsupported_parameter``):
+    the embedded engine has no grammar-constrained decoding, and GLANCE's SGLang worker applies no grammar mask
+    in its verify pass, so constrained speculation would not be lossless against constrained AR."""
+    if response_format is None:
+        return
+    kind = response_format.get("type")
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise bad_request(f"response_format {kind!r} is not supported on this server (no grammar-constrained "
+                          "decoding with GLANCE speculation); only 'text'", "unsupported_parameter",
+                          "response_format")
+    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                      "invalid_value", "response_format.type")
+
+
+def reject_unsupported(body: ChatRequest | CompletionRequest) -> None:
     if body.n is not None and body.n != 1:
         raise bad_request(f"n must be 1 on this server (got {body.n})", "unsupported_parameter", "n")
-    if body.logprobs:
-        raise bad_request("logprobs are not supported", "unsupported_parameter", "logprobs")
-    if body.tools:
+    if getattr(body, "tools", None):
         raise bad_request("tools are not supported", "unsupported_parameter", "tools")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "unsupported_parameter", "logit_bias")
@@ -153,6 +219,7 @@ async def convert_messages(messages: list[ChatMessage], config: ServerConfig,
         if msg.content is None:
             raise bad_request(f"messages[{i}].content is missing", "invalid_value", f"messages[{i}].content")
         if isinstance(msg.content, str):
+            check_text(msg.content, f"messages[{i}].content")
             chars += len(msg.content)
             out.append({"role": role, "content": msg.content})
             continue
@@ -161,6 +228,7 @@ async def convert_messages(messages: list[ChatMessage], config: ServerConfig,
             where = f"messages[{i}].content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
+                check_text(part["text"], f"{where}.text")
                 chars += len(part["text"])
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url":
@@ -184,15 +252,55 @@ async def convert_messages(messages: list[ChatMessage], config: ServerConfig,
 async def chat_request(body: ChatRequest, config: ServerConfig, client: httpx.AsyncClient) -> GenRequest:
     check_model(body.model, config)
     reject_unsupported(body)
+    check_response_format(body.response_format)
+    logprobs = chat_logprobs(body)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    params = sampling_params(config, limit, body.temperature, body.top_p, body.stop, body.seed, param)
-    options = body.glance or GlanceOptions()
+    params = sampling_params(config, limit, body.temperature, body.top_p, body.stop, body.seed, param, logprobs)
+    options = glance_options(body.glance, config)
+    messages = await convert_messages(body.messages, config, client)
+    return GenRequest(messages=messages, params=params, mode=options.mode, planner=options.planner,
+                      measure_speedup=options.measure_speedup, debug_fault=options.debug_fault)
+
+
+def glance_options(options: GlanceOptions | None, config: ServerConfig) -> GlanceOptions:
+    options = options or GlanceOptions()
     if options.debug_fault and not config.debug_faults:
         raise bad_request("debug_fault needs a server started with --debug-faults", "unsupported_parameter",
                           "glance.debug_fault")
-    messages = await convert_messages(body.messages, config, client)
-    return GenRequest(messages=messages, params=params, mode=options.mode, planner=options.planner,
+    return options
+
+
+def completion_request(body: CompletionRequest, config: ServerConfig) -> GenRequest:
+    """A legacy completions request -> a raw-prompt GenRequest (same limits as chat)."""
+    check_model(body.model, config)
+    reject_unsupported(body)
+    if body.best_of is not None and body.best_of != 1:
+        raise bad_request(f"best_of must be 1 on this server (got {body.best_of})", "unsupported_parameter",
+                          "best_of")
+    if body.echo:
+        raise bad_request("echo is not supported", "unsupported_parameter", "echo")
+    if body.suffix:
+        raise bad_request("suffix is not supported", "unsupported_parameter", "suffix")
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise bad_request("prompt must be a string (or a list of exactly one string); token-id prompts and "
+                              "batches are not supported", "unsupported_parameter", "prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("prompt must be a non-empty string", "invalid_value", "prompt")
+    check_text(prompt, "prompt")
+    if len(prompt) > config.max_prompt_chars:
+        raise bad_request(f"the prompt has {len(prompt)} characters; the limit is {config.max_prompt_chars}",
+                          "context_length_exceeded", "prompt")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.logprobs}",
+                          "invalid_value", "logprobs")
+    params = sampling_params(config, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed,
+                             logprobs=body.logprobs)
+    options = glance_options(body.glance, config)
+    return GenRequest(messages=[], prompt=prompt, params=params, mode=options.mode, planner=options.planner,
                       measure_speedup=options.measure_speedup, debug_fault=options.debug_fault)
 
 
@@ -264,14 +372,16 @@ def usage(out: GenOutput) -> dict[str, int]:
             "total_tokens": out.prompt_tokens + out.completion_tokens}
 
 
-def completion_body(rid: str, model: str, out: GenOutput) -> dict[str, Any]:
+def completion_body(rid: str, model: str, out: GenOutput, logprobs: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """A chat.completion; ``logprobs``: the choice's ``{"content": [...]}`` (see :mod:`logprobs`) or None."""
     return {
         "id": f"chatcmpl-{rid}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
                      "finish_reason": out.finish_reason}],
         "usage": usage(out),
         "glance": out.glance,
@@ -279,8 +389,33 @@ def completion_body(rid: str, model: str, out: GenOutput) -> dict[str, Any]:
 
 
 def chunk_body(rid: str, model: str, created: int, delta: dict[str, Any] | None,
-               finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+               **extra: Any) -> dict[str, Any]:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None, "choices": choices, **extra}
+
+
+def text_completion_body(rid: str, model: str, out: GenOutput, logprobs: dict[str, Any] | None = None
+                         ) -> dict[str, Any]:
+    """A legacy ``text_completion``; ``logprobs`` in the legacy format or None."""
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
+        "usage": usage(out),
+        "glance": out.glance,
+    }
+
+
+def text_chunk_body(rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
+                    logprobs: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """One streamed ``text_completion`` object (``text`` None: the usage chunk, no choices)."""
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs,
+                                        "finish_reason": finish_reason}]
+    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": None, "choices": choices, **extra}

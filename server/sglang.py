@@ -25,12 +25,14 @@ from typing import Any
 
 import httpx
 
-from glance_sgl.engine import StreamDelta
+from glance_sgl.engine import StreamDelta, TokenLogprob
+from glance_sgl.special_tokens import SpecialTokenGuard
 from glance_sgl.target import split_messages
 
 from .config import ServerConfig
 from .errors import APIError, bad_request
 from .jobs import Backend, GenOutput, GenRequest, Job, queue_full
+from .logprobs import TokenTable, from_sglang
 from .protocol import glance_object
 
 IM_START, IM_END, GEN_PROMPT = "<|im_start|>", "<|im_end|>\n", "<|im_start|>assistant\n"
@@ -123,16 +125,30 @@ def glance_from_meta(meta: dict[str, Any], prefill_ms: float, decode_ms: float, 
                          rows_histogram=rows, rounds_without_drafting=without)
 
 
+def rejection_code(error: Any, message: str) -> str:
+    """The error code of an upstream refusal: the upstream's own string code (another GLANCE gateway), else
+    ``context_length_exceeded`` for SGLang's input-length message, else ``upstream_rejected``."""
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code:
+        return code
+    if "context length" in message.lower() or "context_length" in message.lower():
+        return "context_length_exceeded"
+    return "upstream_rejected"
+
+
 def upstream_rejection(status: int, raw: bytes) -> APIError:
     """An upstream error answer: the client's fault (400) or the deployment's (502 / 503)."""
+    error: Any = None
     try:
-        message = json.loads(raw)["error"]["message"]
+        error = json.loads(raw)["error"]
+        message = error["message"]
     except Exception:
         message = raw[:500].decode("utf-8", "replace")
     if status in (401, 403):
         return APIError(502, f"the upstream server refused the gateway's credentials: {message}", "upstream_auth")
     if 400 <= status < 500 and status != 429:
-        return APIError(400, f"upstream: {message}", "upstream_rejected")
+        return APIError(400, f"upstream: {message}", rejection_code(error, str(message)),
+                        error.get("param") if isinstance(error, dict) else None)
     return APIError(503, f"upstream answered {status}: {message}", "upstream_unavailable",
                     headers={"Retry-After": "1"} if status == 429 else None)
 
@@ -152,6 +168,8 @@ class SGLangBackend(Backend):
         self.upstream_url = upstream_url.rstrip("/")
         self.processor = processor
         self.config = config
+        self.guard = SpecialTokenGuard(processor.tokenizer)
+        self.tokens = TokenTable(processor.tokenizer)
         self.client: httpx.AsyncClient | None = None
         self._slots: asyncio.Semaphore | None = None
         self._queued = 0
@@ -221,6 +239,8 @@ class SGLangBackend(Backend):
         if p.seed is not None:
             sampling["sampling_seed"] = p.seed
         body: dict[str, Any] = {"text": text, "sampling_params": sampling, "stream": True, "rid": request.request_id}
+        if p.logprobs is not None:
+            body.update(return_logprob=True, top_logprobs_num=p.logprobs)
         if images:
             body["image_data"] = [png_data_url(img) for img in images]
         return body
@@ -254,11 +274,15 @@ class SGLangBackend(Backend):
                                        "upstream_error"))
 
     async def _generate(self, job: Job) -> GenOutput:
-        text, images = render_prompt(self.processor, job.request.messages)
+        if job.request.prompt is not None:
+            text, images = job.request.prompt, []
+        else:
+            text, images = render_prompt(self.processor, job.request.messages)
         body = await asyncio.to_thread(self.payload, job.request, text, images)
         t0 = time.perf_counter()
         first = last = None
         seen_text, token_ids, meta = "", [], {}
+        logprobs: list[TokenLogprob] | None = [] if job.request.params.logprobs is not None else None
         final: dict[str, Any] = {}
         async with self.client.stream("POST", "/generate", json=body) as resp:
             if resp.status_code != 200:
@@ -271,18 +295,34 @@ class SGLangBackend(Backend):
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise APIError(502, f"upstream: {chunk['error'].get('message')}", "upstream_error")
+                    error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+                    message = str(error.get("message"))
+                    status = error.get("code")
+                    if not token_ids and (isinstance(status, str) or (isinstance(status, int)
+                                                                      and 400 <= status < 500)):
+                        # refused before any output (SGLang streams its validation errors): the client's 400
+                        raise APIError(400, f"upstream: {message}", rejection_code(error, message),
+                                       error.get("param"))
+                    raise APIError(502, f"upstream: {message}", "upstream_error")
                 meta = chunk.get("meta_info") or {}
                 ids, text = list(chunk.get("output_ids") or []), chunk.get("text") or ""
                 if len(ids) == meta.get("completion_tokens", -1):  # cumulative (SGLang's default)
                     ids, text = ids[len(token_ids):], text[len(seen_text):]
                 token_ids += ids
                 seen_text += text
+                new_logprobs = None
+                if logprobs is not None:
+                    entries = meta.get("output_token_logprobs") or []
+                    tops = meta.get("output_top_logprobs")
+                    cumulative = len(entries) == len(token_ids)
+                    start = len(logprobs) if cumulative else 0
+                    new_logprobs = from_sglang(entries[start:], tops[start:] if tops else None)
+                    logprobs += new_logprobs
                 if ids:
                     last = time.perf_counter()
                     first = first if first is not None else last
                 if text or ids:
-                    delta = StreamDelta(token_ids=ids, text=text)
+                    delta = StreamDelta(token_ids=ids, text=text, logprobs=new_logprobs)
                     # SGLang's cumulative counts so far (absent before the first verify step): stream_rounds
                     delta.spec_verify_ct = meta.get("spec_verify_ct")
                     delta.spec_num_correct_drafts = meta.get("spec_num_correct_drafts")
@@ -297,4 +337,5 @@ class SGLangBackend(Backend):
         glance = glance_from_meta(meta, prefill_ms, decode_ms, job.queue_ms, self.config.ar_ms_per_token)
         return GenOutput(text=seen_text, token_ids=token_ids, finish_reason=finish,
                          prompt_tokens=int(meta.get("prompt_tokens") or 0),
-                         completion_tokens=int(meta.get("completion_tokens") or 0), glance=glance)
+                         completion_tokens=int(meta.get("completion_tokens") or 0), glance=glance,
+                         logprobs=logprobs)

@@ -116,3 +116,74 @@ def test_models_health_ready_metrics(gateway, auth):
                  "glance_speedup_bucket", "glance_queue_depth", "glance_in_flight"):
         assert name in text, name
     assert 'glance_requests_total{route="/v1/chat/completions",status="200"}' in text
+
+
+def test_logprobs_are_the_targets_and_match_the_ar_path(gateway):
+    """Chat logprobs: the target's own log-probabilities of the committed tokens, the same from GLANCE's verify
+    passes as from the AR path, and the same streamed as not."""
+    c = client(gateway)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "tell me a story"}], max_tokens=8,
+                  temperature=0, logprobs=True, top_logprobs=3)
+    spec = c.chat.completions.create(**kwargs, extra_body={"glance": {"mode": "glance", "planner": "fixed"}})
+    ar = c.chat.completions.create(**kwargs, extra_body={"glance": {"mode": "ar"}})
+    content, ar_content = spec.choices[0].logprobs.content, ar.choices[0].logprobs.content
+    assert len(content) == spec.usage.completion_tokens == len(ar_content)
+    assert spec.model_extra["glance"]["drafted_tokens"] > 0  # the verify passes produced them
+    for a, b in zip(content, ar_content):
+        assert a.token == b.token and a.bytes == b.bytes
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert len(a.top_logprobs) == 3
+        assert [t.logprob for t in a.top_logprobs] == sorted((t.logprob for t in a.top_logprobs), reverse=True)
+        assert a.logprob == pytest.approx(a.top_logprobs[0].logprob, abs=1e-6)  # greedy picks the argmax
+        assert a.logprob <= 0
+    if spec.choices[0].finish_reason == "length":  # no EOS token: the tokens' bytes are the text
+        assert bytes(b for e in content for b in e.bytes).decode("utf-8", "replace") == spec.choices[0].message.content
+    chunks = list(c.chat.completions.create(**kwargs, stream=True,
+                                            extra_body={"glance": {"mode": "glance", "planner": "fixed"}}))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # without logprobs: null, as before
+    plain = c.chat.completions.create(model=MODEL, messages=kwargs["messages"], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_endpoint(gateway, engine):
+    """Legacy completions: a raw prompt (no chat template), the same tokens as the engine's, streamed too."""
+    c = client(gateway)
+    kwargs = dict(model=MODEL, prompt="once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    resp = c.completions.create(**kwargs)
+    ref = engine.generate("once upon a time", SamplingParams(max_tokens=6, temperature=0), mode="ar")
+    choice = resp.choices[0]
+    assert resp.object == "text_completion" and choice.text == ref.text
+    assert resp.usage.completion_tokens == len(ref.token_ids) and resp.usage.prompt_tokens == ref.metrics.prompt_tokens
+    check_glance(resp.model_extra["glance"], resp.usage.completion_tokens)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ref.token_ids)
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chunks = list(c.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == choice.text
+    assert [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] \
+        == lp.tokens
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+    assert chunks[-1].model_extra["glance"]["completion_tokens"] == resp.usage.completion_tokens
+
+
+def test_model_retrieve_and_refusals_through_the_client(gateway):
+    c = client(gateway)
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as exc:
+        c.models.retrieve("gpt-4o")
+    assert exc.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as exc:  # the processor never sees it
+        c.chat.completions.create(model=MODEL, max_tokens=2, stream=True, messages=[
+            {"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>"}])
+    assert exc.value.code == "special_token_in_text"
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                  response_format={"type": "json_object"})
+    assert exc.value.code == "unsupported_parameter" and exc.value.param == "response_format"
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                  top_logprobs=2)
+    assert exc.value.code == "invalid_value" and exc.value.param == "top_logprobs"
