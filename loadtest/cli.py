@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 from .dataset import DEMO_TASKS, parse_size
@@ -40,6 +41,35 @@ def _range(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: use SECONDS or LO-HI") from exc
 
 
+_DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m)?(?:(?P<s>\d+(?:\.\d+)?)s)?")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in Locust's ``--run-time`` format: ``15s``, ``2m``, ``1h30m``, ``1h2m3s``, or plain seconds
+    (``90``, ``2.5``). Raises ValueError otherwise."""
+    value = text.strip().lower()
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = None
+    if seconds is not None:
+        if not math.isfinite(seconds):
+            raise ValueError(f"{text!r} is not a finite duration")
+        return seconds
+    match = _DURATION.fullmatch(value)
+    if not value or match is None or not any(match.groupdict().values()):
+        raise ValueError(f"{text!r} is not a duration: use seconds (90) or Locust's format (15s, 2m, 1h30m)")
+    h, m, sec = (float(match.group(k) or 0) for k in ("h", "m", "s"))
+    return h * 3600 + m * 60 + sec
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _size(text: str) -> tuple[int, int]:
     try:
         return parse_size(text)
@@ -66,7 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="open loop: gamma shape (1 = Poisson)")
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     g = p.add_argument_group("bounds")
-    g.add_argument("-t", "--run-time", type=float, default=60.0, help="seconds; the run stops sending then")
+    g.add_argument("-t", "--run-time", type=_duration, default=60.0, metavar="DURATION",
+                   help="seconds or Locust's format (15s, 2m, 1h30m); the run stops sending then")
     g.add_argument("-n", "--num-requests", type=int, default=None, help="stop after this many requests")
     g.add_argument("--request-timeout", type=float, default=120.0, help="deadline of one request (s)")
     g.add_argument("--stop-timeout", type=float, default=30.0, help="grace for in-flight requests at the end (s)")

@@ -233,3 +233,29 @@ def test_registered_as_glance_loadtest():
                                       "--request-rate", "inf", "--task-weights", "chat_text=2,chat_one_image=0"])
     assert args.func is cmd_loadtest and args.request_rate == float("inf")
     assert args.task_weights == {"chat_text": 2.0, "chat_one_image": 0.0}
+
+
+@pytest.mark.parametrize("text,seconds", [("15s", 15), ("2m", 120), ("1h30m", 5400), ("1h2m3s", 3723), ("90", 90),
+                                          ("2.5", 2.5), ("1.5m", 90)])
+def test_run_time_takes_locusts_format(text, seconds):
+    import argparse
+
+    from glance_loadtest.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["-t", text]).run_time == seconds
+    assert parser.parse_args(["--run-time", text]).run_time == seconds
+
+
+@pytest.mark.parametrize("text", ["", "5x", "1m30", "h", "m5", "inf", "1d"])
+def test_run_time_refuses_other_formats(text, capsys):
+    import argparse
+
+    from glance_loadtest.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["-t", text])
+    assert "duration" in capsys.readouterr().err
