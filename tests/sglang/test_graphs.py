@@ -13,9 +13,8 @@ import torch
 
 pytest.importorskip("sglang")
 
-from glance_sgl.config import GlanceConfig  # noqa: E402
-from glance_sgl.drafter import GlanceDrafter  # noqa: E402
 from glance_sgl.tree import build_tree  # noqa: E402
+from glance_testing import tiny_bound_drafter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +116,6 @@ def test_buckets():
         bucket_of([1, 2, 4], 5)
 
 
-def _bound_drafter():
-    cfg = GlanceConfig(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=16, num_hidden_layers=2, vocab_size=40, num_target_layers=4, tap_layers=[1, 2],
-                       block_size=6, branch_k=3, mask_token_id=3)
-    torch.manual_seed(0)
-    d = GlanceDrafter(cfg).eval()
-    d.bind_target(torch.nn.Embedding(40, 32), torch.nn.Linear(32, 40, bias=False))
-    return d
-
-
 @pytest.mark.parametrize("lengths", [[5], [1], [9, 3, 17], [40, 2, 2, 11, 63]])
 def test_static_drafter_pass_equals_eager(lengths):
     """The drafter pass of a decode step at bucketed shapes (batch padded to its bucket, context padded to a power
@@ -135,7 +124,7 @@ def test_static_drafter_pass_equals_eager(lengths):
     from glance_sgl.sglang.draft_graph import DraftPassRunner, draft_pass
     from glance_sgl.sglang.draft_pool import DraftKVPool
 
-    d = _bound_drafter()
+    d = tiny_bound_drafter(block_size=6, branch_k=3)
     rng = random.Random(len(lengths))
     g = torch.Generator().manual_seed(len(lengths))
     pool = DraftKVPool(d, size=512, device="cpu", dtype=torch.float32)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from glance_sgl.drafter import GlanceDrafter
+from glance_testing import tiny_bound_drafter
 
 sglang = pytest.importorskip("sglang")
 
@@ -80,17 +80,7 @@ def test_random_planner_mixes_ar_steps_and_every_tree_size():
 
 
 def _drafter():
-    from glance_sgl.config import GlanceConfig
-
-    cfg = GlanceConfig(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=16, num_hidden_layers=2, vocab_size=40, num_target_layers=4, tap_layers=[1, 2],
-                       block_size=5, branch_k=2, mask_token_id=3)
-    torch.manual_seed(0)
-    d = GlanceDrafter(cfg).eval()
-    emb = torch.nn.Embedding(40, 32)
-    head = torch.nn.Linear(32, 40, bias=False)
-    d.bind_target(emb, head)
-    return d
+    return tiny_bound_drafter(block_size=5, branch_k=2)
 
 
 class _Req:
