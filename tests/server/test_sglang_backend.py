@@ -105,3 +105,70 @@ def test_sglang_backend_relays_upstream_rejections(gateway, engine):
         assert "API key" in r.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_logprobs_and_completions_through_sglang_backend(gateway, sglang_gateway):
+    """SGLang's ``output_token_logprobs`` / ``output_top_logprobs`` mapped to OpenAI's formats (chat and
+    legacy completions, streamed and not); the upstream here is the first gateway's SGLang-native route."""
+    direct = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0)
+    proxied = openai.OpenAI(base_url=sglang_gateway.url + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "tell me a story"}], max_tokens=6,
+                  temperature=0, logprobs=True, top_logprobs=2)
+    want = direct.chat.completions.create(**kwargs).choices[0].logprobs.content
+    got = proxied.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert [(e.token, e.bytes) for e in got] == [(e.token, e.bytes) for e in want]
+    for a, b in zip(got, want):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs] and len(a.top_logprobs) == 2
+    chunks = list(proxied.chat.completions.create(**kwargs, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in got]
+    # legacy completions, a raw prompt: the same text and logprobs as the embedded gateway's
+    ckw = dict(model=MODEL, prompt="once upon a time", max_tokens=5, temperature=0, logprobs=1)
+    want_c, got_c = direct.completions.create(**ckw).choices[0], proxied.completions.create(**ckw).choices[0]
+    assert got_c.text == want_c.text and got_c.logprobs.tokens == want_c.logprobs.tokens
+    assert got_c.logprobs.token_logprobs == pytest.approx(want_c.logprobs.token_logprobs, abs=1e-5)
+    streamed = list(proxied.completions.create(**ckw, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want_c.text
+    assert proxied.models.retrieve(MODEL).model_extra["glance"]["backend"] == "sglang"
+
+
+def test_sglang_stream_error_chunk_before_output_is_a_400(engine):
+    """SGLang streams its validation errors (HTTP 200, then ``data: {"error": {"code": 400, ...}}``, as
+    ``sglang.srt.entrypoints.http_server`` writes them): refused before any output, the gateway answers a 400
+    before its own stream opens, SGLang's context-length message mapped to ``context_length_exceeded``."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Upstream(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            err = {"error": {"message": "The input (9000 tokens) is longer than the model's context length (4096 "
+                             "tokens).", "type": "invalid_request_error", "code": 400, "retryable": False}}
+            body = b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{upstream.server_address[1]}"
+    config = base_config(api_key=None, upstream_url=url)
+    server = ServerThread(create_app(config, SGLangBackend(url, engine.target.processor, config),
+                                     engine.target.processor))
+    try:
+        for stream in (True, False):
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                 "stream": stream})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        server.stop()
+        upstream.shutdown()
