@@ -76,3 +76,16 @@ def test_gpu_bf16_match_rate(checkpoints, tmp_path):
     _record("bf16", {"match_rate": sum(same) / len(same), "first_divergence": None if first is None else
                      {"request": first[0], "token": first[1]}})
     assert sum(same) >= 0.7 * len(same), f"bf16 match rate {sum(same)}/{len(same)}, first divergence {first}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (SGLang's CPU path has no TP without "
+                    "sgl_kernel's CPU ops)")
+def test_gpu_tp2_parity(checkpoints, fp32_reference, tmp_path):
+    """``--tp 2``: the drafter replicated, its logits all-gathered, rank 0's planner choice broadcast: the same
+    output as one GPU without speculation."""
+    target, drafter, _ = checkpoints
+    requests, want = fp32_reference
+    got, conc = _outputs({**_kwargs(target, drafter), "tp_size": 2}, requests, tmp_path, "glance_tp2",
+                         concurrent_too=True)
+    assert got == want
+    assert conc == want[:8]
