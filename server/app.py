@@ -280,23 +280,28 @@ class RoundChunks(ChatChunks):
     carries ``glance_round``: ``round`` (index of the verification round that committed the chunk's tokens; 0 is
     the prefill token, which belongs to no round), ``rounds`` (rounds the chunk spans), ``tokens``, ``accepted``
     (accepted draft tokens among them), ``bonus`` (the target's own tokens: one per round, last in it),
-    ``bonus_text`` (the bonus token decoded alone), ``prefill``; null where the backend does not know.
+    ``bonus_text`` (the bonus token decoded alone), ``prefill``, ``provisional``; null where unknown. The finish
+    chunk carries ``glance_round: {"final": true, "rounds_confirmed": bool, "last": ...}``: whether the chunks
+    were one round each as reported (their rounds add up to the request's ``rounds``), and, when the last round
+    was cut by a stop condition (its bonus token dropped), that round restated from the request's accepted-draft
+    count (else null).
 
-    Embedded: one chunk per round, exact. A round is the accepted drafts + one bonus token, so ``accepted`` is
-    ``tokens - 1``, except for a last round cut by a stop condition: the finish chunk then carries a
-    ``glance_round`` with ``final: true`` and that round's split from the request's accepted-token count.
-    SGLang: one chunk per upstream stream chunk, split by SGLang's cumulative ``spec_verify_ct`` /
-    ``spec_num_correct_drafts``; a chunk spanning several rounds has ``round`` null; without those counts
-    (no speculation upstream) only ``tokens`` is known."""
+    A round commits its accepted drafts + one bonus token, so a chunk of one round has ``accepted = tokens - 1``,
+    except a last round cut short. Embedded: one chunk per round, exact. SGLang: one chunk per upstream stream
+    chunk. SGLang 0.5.23 puts its speculative counts (``spec_verify_ct``, ``spec_num_correct_drafts``) on the
+    last chunk only, so each chunk is reported as one round (``provisional: true``, true when SGLang streams every
+    decode step) and the finish chunk says whether the counts confirm it; where an upstream sends its cumulative
+    counts on every chunk, the split is exact per chunk (a chunk spanning several rounds has ``round`` null)."""
 
     def __init__(self, rid: str, model: str, include_usage: bool, tokenizer=None,
                  tokens: TokenTable | None = None) -> None:
         super().__init__(rid, model, include_usage, tokens)
         self.tokenizer = tokenizer
         self.index = 0  # chunks so far
-        self.verify_ct = 0  # upstream rounds so far
-        self.correct = 0  # upstream accepted drafts so far
-        self.accepted = 0  # embedded: accepted drafts reported so far
+        self.rounds = 0  # rounds reported so far (None once a chunk's rounds are unknown)
+        self.accepted = 0  # accepted drafts reported so far (those kept in the answer)
+        self.upstream_accepted = 0  # the upstream's cumulative accepted-draft count so far
+        self.counted = True  # every chunk after the prefill came with the upstream's cumulative counts
         self.last: dict[str, Any] | None = None
 
     def _bonus_text(self, token_ids, bonus) -> str | None:
@@ -308,36 +313,47 @@ class RoundChunks(ChatChunks):
         n = len(delta.token_ids)
         k, self.index = self.index, self.index + 1
         info: dict[str, Any] = {"round": None, "rounds": None, "tokens": n, "accepted": None, "bonus": None,
-                                "bonus_text": None, "prefill": False}
-        if not hasattr(delta, "spec_verify_ct"):  # embedded: one delta per round
-            info.update(round=k, rounds=0 if k == 0 else 1, prefill=k == 0, accepted=max(n - 1, 0) if k else 0,
-                        bonus=1 if k and n else 0)
-        elif delta.spec_verify_ct is not None:
-            rounds = int(delta.spec_verify_ct) - self.verify_ct
-            accepted = int(delta.spec_num_correct_drafts or 0) - self.correct
-            self.verify_ct, self.correct = int(delta.spec_verify_ct), int(delta.spec_num_correct_drafts or 0)
-            info.update(round=self.verify_ct if rounds == 1 else None, rounds=rounds, accepted=accepted,
-                        bonus=n - accepted)
-        elif k == 0:  # the first chunk before any verify step: the prefill token
+                                "bonus_text": None, "prefill": False, "provisional": False}
+        verify = getattr(delta, "spec_verify_ct", None)  # an upstream's cumulative counts, when it sends them
+        if k == 0:
             info.update(round=0, rounds=0, prefill=True, accepted=0, bonus=0)
-        info["bonus_text"] = self._bonus_text(delta.token_ids, info["bonus"])
+        elif verify is not None and self.counted and self.rounds is not None:
+            rounds = int(verify) - self.rounds
+            upstream = int(getattr(delta, "spec_num_correct_drafts", 0) or 0)
+            accepted = min(upstream - self.upstream_accepted, n)  # a cut last round keeps fewer than it accepted
+            self.upstream_accepted = upstream
+            if rounds >= 1 and accepted >= 0 and n - accepted <= rounds:
+                info.update(round=self.rounds + 1 if rounds == 1 else None, rounds=rounds, accepted=accepted,
+                            bonus=n - accepted)
+            # else: counts that do not fit the chunk: its rounds stay unknown and the finish chunk says so
+        else:  # one delta per round (embedded), or an upstream without per-chunk counts: one chunk, one round
+            self.counted = self.counted and not hasattr(delta, "spec_verify_ct")
+            info.update(round=k, rounds=1, accepted=max(n - 1, 0), bonus=1 if n else 0,
+                        provisional=hasattr(delta, "spec_verify_ct"))
+        if k and info["rounds"] is None:
+            self.rounds = None
+        elif self.rounds is not None:
+            self.rounds += info["rounds"]
         self.accepted += info["accepted"] or 0
+        info["bonus_text"] = self._bonus_text(delta.token_ids, info["bonus"])
         self.last = {"info": info, "token_ids": list(delta.token_ids)}
         yield chunk_body(self.rid, self.model, self.created, {"content": delta.text}, logprobs=self.logprobs(delta),
                          glance_round=info)
 
     def done(self, out: GenOutput):
-        extra = {}
+        g = out.glance
+        confirmed = self.rounds is not None and self.rounds == g.get("rounds")
+        final: dict[str, Any] = {"final": True, "rounds_confirmed": confirmed, "last": None}
         last = self.last["info"] if self.last else None
-        if last is not None and last["rounds"] == 1 and self.index > 1 and out.glance.get("mode") != "ar":
+        if confirmed and last is not None and last["rounds"] == 1 and not last["prefill"]:
             # the last round's true split: the request's accepted drafts less those of the earlier rounds
-            true_accepted = out.glance["accepted_tokens"] - (self.accepted - last["accepted"])
+            true_accepted = g.get("accepted_tokens", 0) - (self.accepted - last["accepted"])
             kept = min(max(true_accepted, 0), last["tokens"])
             if kept != last["accepted"]:
                 bonus = last["tokens"] - kept
-                extra["glance_round"] = {**last, "accepted": kept, "bonus": bonus, "final": True,
-                                         "bonus_text": self._bonus_text(self.last["token_ids"], bonus)}
-        yield from super().done(out, **extra)
+                final["last"] = {**last, "accepted": kept, "bonus": bonus,
+                                 "bonus_text": self._bonus_text(self.last["token_ids"], bonus)}
+        yield from super().done(out, glance_round=final)
 
 
 class CompletionChunks:

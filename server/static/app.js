@@ -23,8 +23,8 @@ async function loadInfo() {
     $("measure").title = "the " + info.backend + " backend cannot decode a request without speculation: measuring needs the embedded backend";
   }
   if (info.backend === "sglang") {
-    $("note").textContent = "SGLang backend: text arrives in SGLang's stream chunks; each chunk is split by SGLang's " +
-      "cumulative verify and accepted-draft counts, so a chunk that spans several rounds is shaded as one.";
+    $("note").textContent = "SGLang backend: each of SGLang's stream chunks is shaded as one round while it streams; " +
+      "SGLang's verify and accepted-draft counts at the end confirm it (or the shading is withdrawn).";
   }
 }
 
@@ -97,7 +97,8 @@ function fillRound(span, text, info) {
     return;
   }
   const where = info.round !== null ? "round " + info.round : info.rounds + " rounds";
-  span.title = where + ": " + info.accepted + " accepted draft(s) + " + info.bonus + " bonus token(s)" + (info.final ? " (cut by the stop condition)" : "");
+  span.title = where + ": " + info.accepted + " accepted draft(s) + " + info.bonus + " bonus token(s)" + (info.cut ? " (cut by the stop condition)" : "") +
+    (info.provisional ? " (one stream chunk taken as one round)" : "");
   if (info.bonus === 1 && bonusText && text.endsWith(bonusText)) {
     const head = text.slice(0, text.length - bonusText.length);
     if (head) span.appendChild(piece("acc", head));
@@ -134,6 +135,20 @@ function onRoundChunk(text, info) {
   }
   const secs = (performance.now() - state.tFirst) / 1000;
   if (state.decodeTokens > 1 && secs > 0) $("m-tps").textContent = fmt(state.decodeTokens / secs, 1);
+}
+
+// The finish chunk: were the chunks one round each (SGLang streams may bundle steps)? Was the last round cut?
+function onFinalRounds(info) {
+  if (!info.rounds_confirmed) {
+    for (const span of $("answer").querySelectorAll(".round:not(.prefill)")) {
+      fillRound(span, span.dataset.text, { tokens: 0, rounds: null, accepted: null });
+      span.title = "the backend's counts do not confirm one round per chunk: this chunk's rounds are unknown";
+    }
+    state.roundsKnown = false;
+    $("note").textContent = "The stream's chunks did not match the verification rounds one to one, so they are not shaded by round.";
+  } else if (info.last && state.lastSpan) {
+    fillRound(state.lastSpan, state.lastSpan.dataset.text, Object.assign({}, info.last, { cut: true }));
+  }
 }
 
 function onFinal(glance) {
@@ -213,7 +228,7 @@ async function send(measure) {
           if (chunk.error) throw new Error(errorMessage(chunk, 500));
           const choice = chunk.choices && chunk.choices[0];
           const info = chunk.glance_round;
-          if (info && info.final && state.lastSpan) fillRound(state.lastSpan, state.lastSpan.dataset.text, info);
+          if (info && info.final) onFinalRounds(info);
           else if (info) onRoundChunk((choice && choice.delta && choice.delta.content) || "", info);
           else if (choice && choice.delta && choice.delta.content) onRoundChunk(choice.delta.content, { tokens: 0, rounds: null, accepted: null });
           if (chunk.glance) onFinal(chunk.glance);

@@ -65,14 +65,16 @@ def check_rounds(chunks: list[dict]) -> tuple[list[dict], dict]:
     infos = [c["glance_round"] for c in chunks if "glance_round" in c and not c["glance_round"].get("final")]
     finals = [c["glance_round"] for c in chunks if c.get("glance_round", {}).get("final")]
     glance = next(c["glance"] for c in chunks if "glance" in c)
+    assert len(finals) == 1 and finals[0]["rounds_confirmed"], finals
     assert infos[0]["prefill"] and infos[0]["tokens"] == 1 and infos[0]["round"] == 0
     assert [i["round"] for i in infos] == list(range(len(infos)))
-    if finals:  # the last round, cut by a stop condition, restated
-        assert len(finals) == 1 and finals[0]["round"] == infos[-1]["round"]
-        infos[-1] = finals[0]
+    if finals[0]["last"] is not None:  # the last round, cut by a stop condition, restated
+        assert finals[0]["last"]["round"] == infos[-1]["round"] and finals[0]["last"]["bonus"] == 0
+        infos[-1] = finals[0]["last"]
     rounds = infos[1:]
     assert len(rounds) == glance["rounds"]
-    assert [i["tokens"] for i in rounds] == glance["committed_per_round"]
+    if glance["committed_per_round"] is not None:
+        assert [i["tokens"] for i in rounds] == glance["committed_per_round"]
     for i in rounds:
         assert i["rounds"] == 1 and i["accepted"] + i["bonus"] == i["tokens"] and i["bonus"] in (0, 1)
     accepted = sum(i["accepted"] for i in rounds)
@@ -136,38 +138,55 @@ def test_stream_rounds_add_up(gateway, auth, demo_gateway):
     assert not any("glance_round" in c for c in plain_chunks)
 
 
-def test_stream_rounds_from_sglang_counts(engine):
-    """SGLang backend: each upstream chunk is split by SGLang's cumulative verify / accepted-draft counts
-    (the loopback upstream in the other tests has none; real SGLang sends them on every chunk)."""
-    chunks = RoundChunks("r", "m", False, engine.target.tokenizer)
-
-    def delta(ids, verify, correct):
+def feed(chunks: RoundChunks, deltas, accepted_tokens: int, rounds: int) -> list[dict]:
+    """RoundChunks on synthetic upstream deltas ``(token_ids, spec_verify_ct, spec_num_correct_drafts)``."""
+    out = []
+    for ids, verify, correct in deltas:
         d = StreamDelta(token_ids=ids, text="x" * len(ids))
         d.spec_verify_ct, d.spec_num_correct_drafts = verify, correct
-        return next(iter(chunks.delta(d)))["glance_round"]
+        out.append(next(iter(chunks.delta(d)))["glance_round"])
+    glance = {"accepted_tokens": accepted_tokens, "rounds": rounds, "mode": "glance"}
+    out.append(next(c for c in chunks.done(GenOutput("", [], "stop", 1, 9, glance)) if "glance_round" in c)
+               ["glance_round"])
+    return out
 
-    first = delta([11], None, None)
-    assert first["prefill"] and first["round"] == 0
-    one = delta([12, 13, 14], 1, 2)
-    assert (one["round"], one["rounds"], one["accepted"], one["bonus"]) == (1, 1, 2, 1)
-    two = delta([15, 16, 17, 18, 19], 3, 5)
+
+def test_stream_rounds_from_sglang_counts(engine):
+    """SGLang backend, on upstream chunks as real SGLang 0.5.23 sends them (its speculative counts on the last
+    chunk only; checked against a real server: the chunks of a GLANCE answer were one decode step each): each
+    chunk taken as one round, confirmed by the final counts, the cut last round restated; a chunk that bundled
+    two steps withdraws the confirmation; an upstream with counts on every chunk is split exactly."""
+    tok = engine.target.tokenizer
+    # SGLang's shape: prefill, 16 tokens (15 accepted + bonus), 5 tokens ending at EOS (5 accepted, bonus cut)
+    first, one, two, final = feed(RoundChunks("r", "m", False, tok), [([11], None, None), (list(range(20, 36)),
+                                  None, None), ([40, 41, 42, 43, 44], 2, 20)], accepted_tokens=20, rounds=2)
+    assert first["prefill"] and (one["round"], one["accepted"], one["bonus"], one["provisional"]) == (1, 15, 1, True)
+    assert (two["round"], two["accepted"], two["bonus"]) == (2, 4, 1)
+    assert final["rounds_confirmed"] and (final["last"]["round"], final["last"]["accepted"],
+                                          final["last"]["bonus"]) == (2, 5, 0)
+    assert final["last"]["bonus_text"] is None
+    # the same tokens in 2 chunks but 3 verify steps upstream: not one round per chunk
+    *_, final = feed(RoundChunks("r", "m", False, tok), [([11], None, None), (list(range(20, 36)), None, None),
+                     ([40, 41, 42, 43, 44], 3, 19)], accepted_tokens=19, rounds=3)
+    assert not final["rounds_confirmed"] and final["last"] is None
+    # counts on every chunk: exact, a two-round chunk included
+    first, one, two, final = feed(RoundChunks("r", "m", False, tok), [([11], None, None), ([12, 13, 14], 1, 2),
+                                  ([15, 16, 17, 18, 19], 3, 5)], accepted_tokens=5, rounds=3)
+    assert (one["round"], one["rounds"], one["accepted"], one["bonus"], one["provisional"]) == (1, 1, 2, 1, False)
     assert (two["round"], two["rounds"], two["accepted"], two["bonus"]) == (None, 2, 3, 2)
-    assert two["bonus_text"] is None
-    out = GenOutput("", [], "stop", 1, 9, {"accepted_tokens": 5, "mode": "glance"})
-    assert all("glance_round" not in c for c in chunks.done(out))  # the counts already matched
+    assert final["rounds_confirmed"] and final["last"] is None
 
 
-def test_sglang_backend_streams_rounds_it_knows(sglang_gateway):
-    """Through the loopback SGLang-format upstream (no spec counts mid-stream): the prefill chunk is known, the
-    rest say only their token counts; the page's info says measuring is off."""
+def test_sglang_backend_streams_rounds(sglang_gateway):
+    """Through the loopback SGLang-format upstream (an embedded gateway's /generate: one chunk per round, counts
+    on the last chunk only, as SGLang): the same identities as the embedded backend, provisional then
+    confirmed; the page's info says measuring is off."""
     body = {"messages": image_message("describe it"), "max_tokens": 12, "temperature": 0, "stream": True,
             "glance": {"stream_rounds": True}}
     chunks = stream_chunks(sglang_gateway.url, body)
-    infos = [c["glance_round"] for c in chunks if "glance_round" in c]
-    glance = next(c["glance"] for c in chunks if "glance" in c)
-    assert infos[0]["prefill"]
-    assert all(i["round"] is None and i["accepted"] is None for i in infos[1:])
-    assert sum(i["tokens"] for i in infos) == glance["completion_tokens"]
+    rounds, glance = check_rounds(chunks)
+    assert all(i["provisional"] for i in rounds)
+    assert sum(i["tokens"] for i in rounds) + 1 == glance["completion_tokens"]
     info = httpx.get(sglang_gateway.url + "/playground/info.json", timeout=10).json()
     assert info["backend"] == "sglang" and not info["measure_speedup"]
 
@@ -235,7 +254,9 @@ def test_browser_playground(browser, demo_gateway, tmp_path):
     assert len(spans) == rounds + 1  # the prefill token + one span per round
     assert "prefill" in (spans[0].get_attribute("class") or "")
     assert page.locator("#answer .round .acc").count() >= 1  # the drafts the target accepted
-    cut = sum(1 for c in sent if c.get("glance_round", {}).get("final") and c["glance_round"]["bonus"] == 0)
+    final = next(c["glance_round"] for c in sent if c.get("glance_round", {}).get("final"))
+    assert final["rounds_confirmed"]
+    cut = int(final["last"] is not None and final["last"]["bonus"] == 0)
     assert page.locator("#answer .round .bon").count() == rounds - cut  # one bonus token per round
     assert page.is_hidden("#measured")
 
@@ -262,7 +283,8 @@ def test_browser_playground(browser, demo_gateway, tmp_path):
 
 
 def test_browser_playground_sglang_backend(browser, sglang_gateway):
-    """The page on the sglang backend: the answer streams, the final rounds and tau show, measuring is off."""
+    """The page on the sglang backend: the answer streams shaded by round (confirmed at the end), the final rounds
+    and tau show, measuring is off."""
     page = browser.new_page()
     page.goto(sglang_gateway.url + "/")
     page.wait_for_function("document.getElementById('backend').textContent.includes('sglang')")
@@ -275,6 +297,8 @@ def test_browser_playground_sglang_backend(browser, sglang_gateway):
     assert page.locator("#answer .round").count() >= 2
     assert int(page.inner_text("#m-tokens")) >= 2 and int(page.inner_text("#m-rounds")) >= 1 and page.inner_text("#m-tau") != "–"
     assert page.locator("#answer .round.prefill").count() == 1
+    assert page.locator("#answer .round .bon").count() >= 1  # confirmed by the final counts: shaded by round
+    assert page.locator("#answer .round.unknown").count() == 0
     page.close()
 
 
