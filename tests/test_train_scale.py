@@ -214,7 +214,7 @@ def test_train_pipeline_quick_end_to_end(tmp_path, target_dirs):
     meta = json.loads((root / "run" / "distill" / "distill.json").read_text())
     assert meta["sequences"] == report["sequences"] == 6 and meta["skipped"] == 1 and not meta["features"]
     assert "data.json:3: field 'image'" in meta["rows"][0]
-    assert report["best"]["tau"] >= 1.0 and set(report["engine_tau"]) <= {"t0", "t1"}
+    assert report["best"]["tau"] >= 1.0 and report["best"]["rounds"] > 0
     drafter = root / "run" / "drafter"
     assert (drafter / "model.safetensors").is_file() and (drafter / "best" / "model.safetensors").is_file()
     from safetensors.torch import load_file

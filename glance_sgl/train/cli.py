@@ -63,6 +63,7 @@ def _distill(args: argparse.Namespace, out: str, features: bool) -> dict[str, An
                 print("launching SGLang for the target ...", file=sys.stderr, flush=True)
                 server = launch_target_server(args.target, device=args.sglang_device,
                                               extra_args=shlex.split(args.sglang_args or ""),
+                                              seeded=args.temperature > 0,
                                               log_path=Path(out).with_name(Path(out).name + ".sglang.log"))
                 url = server.url
             answerer = SGLangAnswerer(url, target.tokenizer, concurrency=args.concurrency)
@@ -142,12 +143,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 QUICK = dict(limit=8, max_new_tokens=8, steps=6, batch_size=2, eval_every=3, eval_size=2, checkpoint_every=3,
-             block_size=8, budget=7, branch_k=2)
+             block_size=8, budget=7, branch_k=2, no_engine_tau=True)
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    """data -> distill (answers only) -> online training -> tau (held-out simulated tau, then the engine's tau
-    on held-out requests)."""
+    """data -> distill (answers only) -> online training -> tau (held-out simulated tau during training, then
+    the engine's tau decoding the held-out requests with the best checkpoint, fixed tree)."""
     from ..drafter import GlanceDrafter
     from ..engine import GlanceEngine
     from .trainer import evaluate_tau, split_indices
@@ -165,7 +166,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"sequences": len(data)}
     if (best / "eval.json").is_file():
         report["best"] = json.loads((best / "eval.json").read_text())
-    if eval_idx:
+    if eval_idx and not args.no_engine_tau:
         chosen = GlanceDrafter.from_pretrained(best if best.is_dir() else drafter_dir, device=str(target.device))
         engine = GlanceEngine(target, chosen)
         by_task: dict[str, list] = {}
@@ -183,7 +184,7 @@ def _distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sample the target's answers at this temperature (0: greedy answers)")
-    p.add_argument("--seed", type=int, default=0, help="request i is sampled with seed SEED + i")
+    p.add_argument("--seed", type=int, default=0, help="the request of row i (0-based) is sampled with seed SEED + i")
     p.add_argument("--device", default="cpu", help="device of the Hugging Face target (features, embedded)")
     p.add_argument("--backend", choices=["embedded", "sglang"], default="embedded",
                    help="who answers: the embedded engine (one at a time) or an SGLang server (many in flight)")
@@ -242,7 +243,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True, help="OUT/distill, OUT/drafter (+ best/), OUT/pipeline.json")
-    p.add_argument("--quick", action="store_true", help="a tiny smoke run (8 rows, 6 steps)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny smoke run (8 rows, 6 steps, simulated tau only)")
+    p.add_argument("--no-engine-tau", action="store_true",
+                   help="skip decoding the held-out requests with the engine (its cost model calibrates first)")
     _distill_args(p)
     _train_args(p, with_shared=False)
     p.set_defaults(func=cmd_pipeline)

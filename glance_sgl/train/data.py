@@ -160,8 +160,8 @@ def build_distill_data(
     ``requests``: :class:`~glance_sgl.train.formats.RequestSpec` rows (from :func:`read_dataset`) or
     (task, messages) pairs. ``answerer``: who answers (default: the embedded ``engine``;
     :class:`glance_sgl.train.sglang_distill.SGLangAnswerer` sends ``chunk`` requests at a time to an SGLang
-    server, many in flight). ``temperature`` > 0 samples each answer with seed ``seed + index`` (reproducible);
-    0 answers greedily. ``features``: also cache the tap features (float16; else answers only, for online
+    server, many in flight). ``temperature`` > 0 samples each answer with seed ``seed + i`` (i: the request's
+    0-based row in its file, else its index in ``requests``; reproducible); 0 answers greedily. ``features``: also cache the tap features (float16; else answers only, for online
     training, which needs ``RequestSpec`` rows to reopen the images). A request whose prompt does not fit the
     context (``max_length``, default the target's context length) leaves room for at least one answer token, or
     whose images or messages the processor refuses, is skipped through ``skips`` (``strict`` raises).
@@ -255,8 +255,9 @@ def build_distill_data(
             skips.skip(*where, fld, f"too long for the context: {prompt.num_tokens} prompt tokens, context "
                        f"{max_length}")
             continue
+        nth = spec.row - 1 if spec is not None else index  # a row keeps its seed whatever rows are skipped
         jobs.append(AnswerJob(index, task, messages, prompt, min(max_new_tokens, room),
-                              seed + index if temperature > 0 else None, spec))
+                              seed + nth if temperature > 0 else None, spec))
         if len(jobs) >= chunk:
             run(jobs)
             jobs = []

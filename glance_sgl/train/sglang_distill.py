@@ -5,6 +5,10 @@ as ``{"text": chat-templated prompt, "image_data": [PNG data URLs], "sampling_pa
 "temperature", "sampling_seed"}}`` from a pool of ``concurrency`` threads and returns the ``output_ids`` in
 request order. :func:`launch_target_server` starts one (``glance_sgl.sglang.launch``, CPU mode when there is no
 CUDA), as ``glance serve --backend sglang`` does.
+
+Seeds: SGLang's sampler follows ``sampling_seed`` only on a server started with
+``--enable-deterministic-inference`` (a GPU attention backend; :func:`launch_target_server` adds it on CUDA when
+answers are sampled). Greedy answers (temperature 0) need nothing.
 """
 
 from __future__ import annotations
@@ -79,15 +83,27 @@ def free_port() -> int:
 
 def launch_target_server(target_dir: str | Path, device: str = "auto", port: int | None = None,
                          extra_args: Sequence[str] = (), log_path: str | Path | None = None,
-                         timeout: float = 600.0):
+                         timeout: float = 600.0, seeded: bool = False):
     """Start ``sglang.launch_server`` on the target alone (no speculation) on loopback; returns the handle
-    (``.url``, ``.stop()``). ``device``: auto (CUDA when present, else SGLang's CPU mode), cpu or cuda."""
+    (``.url``, ``.stop()``). ``device``: auto (CUDA when present, else SGLang's CPU mode), cpu or cuda.
+
+    ``seeded``: sampled answers should follow each request's ``sampling_seed``. SGLang's sampler honours it only
+    under ``--enable-deterministic-inference``, added on CUDA; SGLang refuses that flag with the CPU mode's
+    attention backend, so on CPU sampled answers are not reproducible per seed (a warning says so)."""
+    import sys
+
     import torch
 
     from ..sglang.launch import launch_sglang
 
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    return launch_sglang(target_dir, None, port=port or free_port(), cpu=cpu, extra_args=extra_args,
+    extra = list(extra_args)
+    if seeded and not cpu and "--enable-deterministic-inference" not in extra:
+        extra.append("--enable-deterministic-inference")
+    elif seeded and cpu:
+        print("warning: SGLang's CPU mode cannot seed its sampler (--enable-deterministic-inference needs a GPU "
+              "attention backend): sampled answers will not repeat per seed", file=sys.stderr, flush=True)
+    return launch_sglang(target_dir, None, port=port or free_port(), cpu=cpu, extra_args=extra,
                          log_path=log_path, timeout=timeout)
 
 
