@@ -355,7 +355,7 @@ class GlanceEngine:
     # ------------------------------------------------------------------ public API
     def generate(
         self,
-        messages: list[dict[str, Any]] | str,
+        messages: list[dict[str, Any]] | str | PreparedPrompt,
         params: SamplingParams | None = None,
         mode: Mode | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
@@ -363,14 +363,15 @@ class GlanceEngine:
         planner: PlannerMode | None = None,
     ) -> GenerationResult:
         """Run one request to completion. ``messages``: chat messages (the chat template applies) or a string
-        (a raw text prompt, tokenised as is). ``on_delta`` receives committed tokens as they land;
+        (a raw text prompt, tokenised as is) or a prompt from :meth:`prepare`. ``on_delta`` receives committed tokens as they land;
         ``should_stop`` is polled between rounds (True cancels: finish_reason "cancelled"). ``planner``
         ("auto" / "fixed") overrides the engine's default for mode "glance". Text holding a special-token string
         (``<|image_pad|>``, ``<|im_start|>``, ...) is refused (:class:`RequestError`, code
         ``special_token_in_text``)."""
         params = params or SamplingParams()
         params.validate()
-        if (hit := self.special_tokens.check_messages(messages)) is not None:
+        if not isinstance(messages, PreparedPrompt) and \
+                (hit := self.special_tokens.check_messages(messages)) is not None:
             raise RequestError(special_token_message(*hit), "special_token_in_text", hit[0])
         mode = mode or self.mode
         if mode != "ar" and self.drafter is None:
@@ -382,15 +383,41 @@ class GlanceEngine:
         with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
             plan = self.planner(planner) if mode == "glance" else None
             t0 = time.perf_counter()
-            prompt = self.target.prepare(messages) if not isinstance(messages, str) else self._prepare_text(messages)
+            prompt = messages if isinstance(messages, PreparedPrompt) else self.prepare(messages)
             prepare_ms = (time.perf_counter() - t0) * 1000.0
             return self._run(prompt, prepare_ms, params, mode, plan, on_delta, should_stop)
 
-    def _prepare_text(self, text: str) -> PreparedPrompt:
+    def check_fits(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        """Refuses (``context_length_exceeded``) a prompt whose tokens plus ``max_tokens`` and a tree do not fit
+        the target's context."""
+        if prompt.num_tokens + params.max_tokens + self.budget + 1 > self.target.context_length:
+            raise RequestError(
+                f"prompt ({prompt.num_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                f"length ({self.target.context_length})", code="context_length_exceeded", param="messages",
+            )
+
+    def prepare(self, messages: list[dict[str, Any]] | str, processor: Any = None) -> PreparedPrompt:
+        """Model inputs of a request (chat messages or a raw prompt string), special-token strings refused.
+        ``processor``: a copy of the target's processor, to prepare in another thread than the engine's
+        (processors and fast tokenizers are not safe to share across threads); None uses the target's own and
+        must run under the engine's lock, as :meth:`generate` does."""
+        if (hit := self.special_tokens.check_messages(messages)) is not None:
+            raise RequestError(special_token_message(*hit), "special_token_in_text", hit[0])
+        if isinstance(messages, str):
+            return self._prepare_text(messages, processor)
+        if processor is None:
+            return self.target.prepare(messages)
+        from types import SimpleNamespace
+
+        # the target's own preparation code, run with the other processor
+        other = SimpleNamespace(processor=processor, device=self.target.device, model=self.target.model)
+        return type(self.target).prepare(other, messages)
+
+    def _prepare_text(self, text: str, processor: Any = None) -> PreparedPrompt:
         """A raw text prompt (no chat template, no images) -> model inputs: input_ids [1, P] and the rest."""
         if not text:
             raise RequestError("the prompt is empty", "invalid_value", "prompt")
-        inputs = self.target.processor(text=[text], return_tensors="pt")
+        inputs = (processor or self.target.processor)(text=[text], return_tensors="pt")
         return PreparedPrompt(inputs={k: v.to(self.target.device) for k, v in inputs.items()
                                       if isinstance(v, torch.Tensor)}, num_images=0)
 
@@ -435,11 +462,7 @@ class GlanceEngine:
 
         t0 = time.perf_counter()
         metrics.prompt_tokens = prompt.num_tokens
-        if prompt.num_tokens + params.max_tokens + self.budget + 1 > self.target.context_length:
-            raise RequestError(
-                f"prompt ({prompt.num_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                f"length ({self.target.context_length})", code="context_length_exceeded", param="messages",
-            )
+        self.check_fits(prompt, params)
         state, rows = self.target.prefill(prompt, taps=self._taps(mode))
         first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec)[0])
         draft = None

@@ -142,9 +142,18 @@ class Gateway:
         self.http: httpx.AsyncClient | None = None  # remote image fetches
         self.started = int(time.time())
 
-    def submit(self, req: GenRequest) -> Job:
+    async def start(self, req: GenRequest) -> Job:
+        """Checks, the backend's preparation (may refuse: 400), then :meth:`submit`."""
         try:
             self.backend.check_text(req)
+            await self.backend.prepare(req)
+        except APIError as exc:
+            self.observe("error", exc)
+            raise
+        return self.submit(req)
+
+    def submit(self, req: GenRequest) -> Job:
+        try:
             job = self.backend.submit(req)
         except APIError as exc:
             self.observe("error", exc)
@@ -195,10 +204,14 @@ class Gateway:
         raise APIError(500, "the job ended without a result", "internal_error")
 
     async def open_stream(self, job: Job, request: Request, t0: float, chunks) -> StreamingResponse:
-        """The SSE response of a job, opened only once its first event is in: an error found while preparing
-        the request (context length, a prompt the processor refuses, an upstream 4xx) is raised here, so the
-        client gets its 4xx instead of a 200 and an error event. A client that goes away meanwhile cancels it."""
+        """The SSE response of a job, opened once nothing can refuse it any more: at once when the backend has
+        accepted it (embedded: prepared before queueing), else after its first event, so that an error found
+        while preparing it (an upstream 4xx, SGLang's streamed validation error) is raised here and the client
+        gets its 4xx instead of a 200 and an error event. A client that goes away meanwhile cancels it."""
         events = self.events(job, t0)
+        if job.accepted:
+            return StreamingResponse(self.stream(job, chunks, None, events), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
         watcher = asyncio.create_task(wait_disconnect(request))
         watcher.add_done_callback(lambda task: job.cancel() if not task.cancelled() else None)
         try:
@@ -214,14 +227,16 @@ class Gateway:
         return StreamingResponse(self.stream(job, chunks, first, events), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
-    async def stream(self, job: Job, chunks, first: tuple[str, Any],
+    async def stream(self, job: Job, chunks, first: tuple[str, Any] | None,
                      events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[bytes]:
-        """SSE framing of a job's events (``first``, then the rest of ``events``); ``chunks`` turns events into
-        JSON objects. When the client goes, Starlette cancels this generator and the job is cancelled with it."""
+        """SSE framing of a job's events (``first`` if already read, then the rest of ``events``); ``chunks``
+        turns events into JSON objects. When the client goes, Starlette cancels this generator and the job is
+        cancelled with it."""
 
         async def all_events():
-            yield first
-            if first[0] not in ("done", "error"):
+            if first is not None:
+                yield first
+            if first is None or first[0] not in ("done", "error"):
                 async for event in events:
                     yield event
 
@@ -505,7 +520,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
     async def chat_completions(body: ChatRequest, request: Request):
         t0 = time.perf_counter()
         req = await chat_request(body, config, gw.http)
-        job = gw.submit(req)
+        job = await gw.start(req)
         model = config.served_model_name
         tokens = backend.tokens if req.params.logprobs is not None else None
         if body.stream:
@@ -523,7 +538,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
         """OpenAI's legacy text completions: ``prompt`` is raw text (no chat template), no images."""
         t0 = time.perf_counter()
         req = completion_request(body, config)
-        job = gw.submit(req)
+        job = await gw.start(req)
         model = config.served_model_name
         tokens = backend.tokens if req.params.logprobs is not None else None
         with_top = bool(req.params.logprobs)
@@ -541,7 +556,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
         ``temperature``, ``top_p``, ``seed``, ``stop`` (repeatable), ``mode``, ``planner``, ``measure_speedup``."""
         t0 = time.perf_counter()
         req = await multipart_request(request, config)
-        out = await gw.collect(gw.submit(req), request, t0)
+        out = await gw.collect(await gw.start(req), request, t0)
         return {"id": f"gen-{req.request_id}", "object": "glance.generation", "model": config.served_model_name,
                 "text": out.text, "finish_reason": out.finish_reason, "usage": usage(out), "glance": out.glance}
 
@@ -557,7 +572,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
             except (ValueError, RecursionError) as exc:
                 raise body_parse_error(raw) from exc
             req = await native_request(body, config, processor)
-            job = gw.submit(req)
+            job = await gw.start(req)
             rid = str(body.get("rid") or req.request_id)
             top = req.params.logprobs
             if body.get("stream"):

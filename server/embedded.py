@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 import random
 import threading
@@ -73,6 +74,9 @@ class EmbeddedBackend(Backend):
         self.config = config
         self.guard = engine.special_tokens
         self.tokens = TokenTable(engine.target.tokenizer)
+        # prompts are prepared before queueing, in a worker thread, with a processor of their own
+        self._processor = copy.deepcopy(engine.target.processor)
+        self._prepare_lock = threading.Lock()
         self.default_mode = engine.mode
         self.default_planner = engine.planner_mode if engine.drafter is not None else None
         self._pending: collections.deque[Job] = collections.deque()
@@ -121,6 +125,21 @@ class EmbeddedBackend(Backend):
         return sum(1 for job in self._pending if not job.cancelled.is_set())
 
     # ------------------------------------------------------------------ submission
+    async def prepare(self, request: GenRequest) -> None:
+        """Chat template, image processing and the context-length check before the request queues, so that a
+        refusal is a 400 at once (also before a stream opens); the engine then runs the prepared prompt."""
+        request.prepared = await asyncio.to_thread(self._prepare, request)
+
+    def _prepare(self, request: GenRequest):
+        try:
+            with self._prepare_lock:
+                prompt = self.engine.prepare(request.prompt if request.prompt is not None else request.messages,
+                                             self._processor)
+            self.engine.check_fits(prompt, request.params)
+        except (RequestError, TargetError) as exc:
+            raise engine_error(exc) from exc
+        return prompt
+
     def submit(self, request: GenRequest) -> Job:
         if request.mode not in (None, "ar") and self.engine.drafter is None:
             raise bad_request(f"mode {request.mode!r} needs a drafter; this server runs without one",
@@ -138,6 +157,7 @@ class EmbeddedBackend(Backend):
                 raise queue_full((queued + 1) * self.mean_job_s, queued)
             self._pending.append(job)
             self._cond.notify()
+        job.accepted = request.prepared is not None  # nothing left to refuse: a stream may open now
         job.on_cancel(self._wake)
         return job
 
@@ -212,7 +232,8 @@ class EmbeddedBackend(Backend):
             job.post("delta", delta)
 
         mode = req.mode or self.default_mode
-        prompt = req.prompt if req.prompt is not None else req.messages
+        prompt = req.prepared if req.prepared is not None else req.prompt if req.prompt is not None \
+            else req.messages
         result = self.engine.generate(prompt, params, mode=mode, planner=req.planner, on_delta=on_delta,
                                       should_stop=job.cancelled.is_set)
         estimate = self.ar_ms_per_token

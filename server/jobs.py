@@ -33,6 +33,7 @@ class GenRequest:
     measure_speedup: bool = False
     debug_fault: str | None = None
     prompt: str | None = None
+    prepared: Any = None  # the backend's prepared model inputs (embedded: a PreparedPrompt), set by prepare()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -58,6 +59,7 @@ class Job:
         self.submitted = time.perf_counter()
         self.started: float | None = None
         self.cancelled = threading.Event()
+        self.accepted = False  # True: the request can no longer be refused, a stream may open before any event
         self._events: asyncio.Queue = asyncio.Queue()
         self._on_cancel: list[Any] = []
         self.on_finish: Any = None  # called on the loop with ("done", GenOutput) / ("error", APIError)
@@ -115,6 +117,9 @@ class Backend:
     async def check_ready(self) -> tuple[bool, str]:
         """(ready, reason) for ``GET /ready``."""
         return True, "ok"
+
+    async def prepare(self, request: GenRequest) -> None:
+        """Work done before queueing that can refuse the request (400): tokenisation, context length."""
 
     def submit(self, request: GenRequest) -> Job:
         """Queue a request; raises APIError 429 when the queue is full, 503 when the backend cannot serve."""
