@@ -70,12 +70,13 @@ def test_llava_and_messages_rows_with_bad_rows_skipped(tmp_path, targets):
                                            {"role": "user", "content": "<image>describe"}]},
         {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\n" + "word " * 400}]},  # row 7
         {"prompt": "what colour is the circle", "image": "a.png"},                                # row 8
+        {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nsay <|image_pad|>"}]},  # row 9
     ]
     data = tmp_path / "data.json"
     data.write_text(json.dumps(rows))
     skips = SkipLog(quiet=True)
     specs = list(read_dataset(data, skips))
-    assert [s.row for s in specs] == [1, 6, 7, 8]
+    assert [s.row for s in specs] == [1, 6, 7, 8, 9]
     assert [(Path(s.file).name, s.row, s.field) for s in skips.skips] == [
         ("data.json", 2, "image"), ("data.json", 3, "image"), ("data.json", 4, "conversations[0].from"),
         ("data.json", 5, "conversations")]
@@ -92,16 +93,18 @@ def test_llava_and_messages_rows_with_bad_rows_skipped(tmp_path, targets):
     assert torch.equal(target.prepare(specs[3].messages()).input_ids,
                        target.prepare(build_messages("what colour is the circle",
                                                      [load_image(str(tmp_path / "a.png"))])).input_ids)
-    # distillation: row 7 is too long for a 300-token context and is skipped where it is tokenized
+    # distillation: row 7 is too long for a 300-token context and row 9's text holds a special-token string (it
+    # would become an image slot): both skipped where the prompt is built
     out = tmp_path / "d"
     build_distill_data(GlanceEngine(target, None, mode="ar"), specs, out, taps=[1], max_new_tokens=4,
                        temperature=0.0, progress=False, features=False, skips=skips, max_length=300)
-    assert (Path(skips.skips[-1].file).name, skips.skips[-1].row, skips.skips[-1].field) == \
-        ("data.json", 7, "conversations")
-    assert "too long for the context" in skips.skips[-1].reason
-    assert skips.summary() == "skipped 5 rows (conversations: 2, conversations[0].from: 1, image: 2)"
+    assert [(Path(s.file).name, s.row, s.field) for s in skips.skips[-2:]] == \
+        [("data.json", 7, "conversations"), ("data.json", 9, "conversations")]
+    assert "too long for the context" in skips.skips[-2].reason
+    assert "'<|image_pad|>'" in skips.skips[-1].reason and "messages[0].content[1].text" in skips.skips[-1].reason
+    assert skips.summary() == "skipped 6 rows (conversations: 3, conversations[0].from: 1, image: 2)"
     meta = json.loads((out / "distill.json").read_text())
-    assert meta["sequences"] == 3 and meta["skipped"] == 5 and not meta["features"]
+    assert meta["sequences"] == 3 and meta["skipped"] == 6 and not meta["features"]
     answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
     assert [a["request"]["row"] for a in answers] == [1, 6, 8]
     with pytest.raises(DataError, match=r"data\.json:2: field 'image': image not found"):

@@ -23,6 +23,7 @@ import torch
 
 from ..engine import GlanceEngine, SamplingParams
 from ..special_tokens import SpecialTokenGuard, special_token_message
+from ..special_tokens import SpecialTokenGuard, special_token_message
 from ..target import PreparedPrompt, TargetAdapter, TargetError
 from .formats import RequestSpec, SkipLog
 
@@ -163,8 +164,10 @@ def build_distill_data(
     server, many in flight). ``temperature`` > 0 samples each answer with seed ``seed + i`` (i: the request's
     0-based row in its file, else its index in ``requests``; reproducible); 0 answers greedily. ``features``: also cache the tap features (float16; else answers only, for online
     training, which needs ``RequestSpec`` rows to reopen the images). A request whose prompt does not fit the
-    context (``max_length``, default the target's context length) leaves room for at least one answer token, or
-    whose images or messages the processor refuses, is skipped through ``skips`` (``strict`` raises).
+    context (``max_length``, default the target's context length) leaves no room for one answer token, whose
+    text holds a special-token string (``<|image_pad|>``, ``<|im_start|>``, ...: it would become a control or
+    image token), or whose images or messages the processor refuses, is skipped through ``skips`` (``strict``
+    raises).
     Raises :class:`~glance_sgl.engine.RequestError` (a ValueError) for a temperature the engine refuses.
     """
     SamplingParams(max_tokens=max_new_tokens, temperature=temperature).validate()
@@ -230,6 +233,7 @@ def build_distill_data(
     jobs: list[AnswerJob] = []
     margin = answerer.margin()
     guard = SpecialTokenGuard(target.tokenizer)
+    guard = SpecialTokenGuard(target.tokenizer)
     for index, (task, spec, messages) in enumerate(_items(requests)):
         where = (spec.source, spec.row) if spec else ("<requests>", index + 1)
         fld = spec.text_field if spec else "messages"
@@ -240,6 +244,10 @@ def build_distill_data(
             skips.skip(*where, "image", f"could not open an image: {exc}")
             continue
         if (hit := guard.check_messages(messages)) is not None:  # user text is text: no image slots from it
+            bar.update(1)
+            skips.skip(*where, fld, special_token_message(*hit))
+            continue
+        if (hit := guard.check_messages(messages)) is not None:  # user text must never become control tokens
             bar.update(1)
             skips.skip(*where, fld, special_token_message(*hit))
             continue

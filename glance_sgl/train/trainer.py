@@ -30,7 +30,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -227,7 +227,7 @@ class _LossModule(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def simulated_tau(drafter: GlanceDrafter, seqs: list[DistillSequence], budget: int | None = None,
+def simulated_tau(drafter: GlanceDrafter, seqs: Iterable[DistillSequence], budget: int | None = None,
                   branch_k: int | None = None) -> dict[str, float]:
     """Teacher-forced acceptance of the drafter's budget tree on the answers of ``seqs``.
 
@@ -405,10 +405,13 @@ def train_drafter(
         done = step + 1
         if cfg.eval_every and eval_idx and (done % cfg.eval_every == 0 or done == cfg.steps):
             if rank == 0:
-                if eval_seqs is None:
-                    eval_seqs = [data[i] for i in eval_idx]
+                if data.online:  # recomputed each time: held in memory they would cost 140 KB per token
+                    held_out = (data[i] for i in eval_idx)
+                else:
+                    eval_seqs = eval_seqs or [data[i] for i in eval_idx]
+                    held_out = iter(eval_seqs)
                 drafter.eval()
-                ev = simulated_tau(drafter, eval_seqs)
+                ev = simulated_tau(drafter, held_out)
                 drafter.train()
                 record["tau"] = ev["tau"]
                 if ev["tau"] > best:
