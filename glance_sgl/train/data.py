@@ -23,7 +23,6 @@ import torch
 
 from ..engine import GlanceEngine, SamplingParams
 from ..special_tokens import SpecialTokenGuard, special_token_message
-from ..special_tokens import SpecialTokenGuard, special_token_message
 from ..target import PreparedPrompt, TargetAdapter, TargetError
 from .formats import RequestSpec, SkipLog
 
@@ -233,7 +232,6 @@ def build_distill_data(
     jobs: list[AnswerJob] = []
     margin = answerer.margin()
     guard = SpecialTokenGuard(target.tokenizer)
-    guard = SpecialTokenGuard(target.tokenizer)
     for index, (task, spec, messages) in enumerate(_items(requests)):
         where = (spec.source, spec.row) if spec else ("<requests>", index + 1)
         fld = spec.text_field if spec else "messages"
@@ -244,10 +242,6 @@ def build_distill_data(
             skips.skip(*where, "image", f"could not open an image: {exc}")
             continue
         if (hit := guard.check_messages(messages)) is not None:  # user text is text: no image slots from it
-            bar.update(1)
-            skips.skip(*where, fld, special_token_message(*hit))
-            continue
-        if (hit := guard.check_messages(messages)) is not None:  # user text must never become control tokens
             bar.update(1)
             skips.skip(*where, fld, special_token_message(*hit))
             continue
