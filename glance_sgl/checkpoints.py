@@ -1,7 +1,7 @@
 """Building standard Hugging Face VLM checkpoint directories offline.
 
 Nothing here downloads anything: the tokenizer is trained in-process with `tokenizers`, the model is a real
-Hugging Face Qwen2.5-VL / Qwen2-VL class built from a config, and the directory written by
+Hugging Face Qwen2.5-VL / Qwen2-VL / Qwen3-VL (dense) class built from a config, and the directory written by
 :func:`save_target` (config.json, model.safetensors, tokenizer files, preprocessor config, chat template)
 loads with ``transformers`` offline and in SGLang.
 
@@ -17,7 +17,13 @@ from typing import Iterable, Literal
 import torch
 from transformers import PreTrainedTokenizerFast
 
-Arch = Literal["qwen2_5_vl", "qwen2_vl"]
+Arch = Literal["qwen2_5_vl", "qwen2_vl", "qwen3_vl"]
+ARCHS: tuple[str, ...] = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+
+
+def patch_size(arch: str) -> int:
+    """The vision patch size (pixels) of ``arch``: 16 for Qwen3-VL, 14 for Qwen2.5-VL / Qwen2-VL."""
+    return 16 if arch == "qwen3_vl" else 14
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -106,7 +112,10 @@ def tiny_target_config(
     initializer_range: float = 0.02,
     max_position_embeddings: int = 4096,
 ):
-    """A small config of the real Qwen2.5-VL / Qwen2-VL class, with token ids taken from ``tokenizer``."""
+    """A small config of the real Qwen2.5-VL / Qwen2-VL / Qwen3-VL class, with token ids taken from ``tokenizer``.
+
+    Qwen3-VL: ``head_dim`` = hidden / heads, M-RoPE sections interleaved (``mrope_interleaved``), deepstack
+    features from the first vision blocks (at most 3), added after LLM layers 0, 1, 2."""
     head_dim = hidden_size // num_heads
     quarter = head_dim // 2 // 4  # mrope_section sums to head_dim / 2: [t, h, w] = [1/4, 3/8, 3/8]
     mrope_section = [quarter, (head_dim // 2 - quarter) // 2, head_dim // 2 - quarter - (head_dim // 2 - quarter) // 2]
@@ -164,7 +173,29 @@ def tiny_target_config(
             initializer_range=initializer_range,
         )
         return Qwen2VLConfig(text_config=text, vision_config=vision, **common)
-    raise ValueError(f"unknown target architecture {arch!r}; expected 'qwen2_5_vl' or 'qwen2_vl'")
+    if arch == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        half = head_dim // 2  # Qwen3-VL's [24, 20, 20] of 64 scaled: t gets the remainder
+        hw = (half * 20) // 64
+        text.update(head_dim=head_dim, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * hw, hw, hw],
+            "mrope_interleaved": True})
+        vision = dict(
+            depth=vision_depth,
+            hidden_size=vision_hidden,
+            intermediate_size=vision_hidden * 2,
+            num_heads=2,
+            out_hidden_size=hidden_size,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=list(range(min(vision_depth, 3))),
+            initializer_range=initializer_range,
+        )
+        return Qwen3VLConfig(text_config=text, vision_config=vision, **common)
+    raise ValueError(f"unknown target architecture {arch!r}; expected one of {ARCHS}")
 
 
 def model_class(arch: Arch):
@@ -173,17 +204,22 @@ def model_class(arch: Arch):
         from transformers import Qwen2_5_VLForConditionalGeneration
 
         return Qwen2_5_VLForConditionalGeneration
+    if arch == "qwen3_vl":
+        from transformers import Qwen3VLForConditionalGeneration
+
+        return Qwen3VLForConditionalGeneration
     from transformers import Qwen2VLForConditionalGeneration
 
     return Qwen2VLForConditionalGeneration
 
 
-def image_processor(min_pixels: int = 56 * 56, max_pixels: int = 448 * 448):
-    """The Qwen-VL image processor (PIL backend: no torchvision needed) with small pixel bounds."""
+def image_processor(min_pixels: int = 56 * 56, max_pixels: int = 448 * 448, patch: int = 14):
+    """The Qwen-VL image processor (PIL backend: no torchvision needed) with small pixel bounds; ``patch``: the
+    vision patch size (:func:`patch_size`)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
-        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, merge_size=2, temporal_patch_size=2
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch, merge_size=2, temporal_patch_size=2
     )
 
 
@@ -193,7 +229,8 @@ def save_target(model, tokenizer: PreTrainedTokenizerFast, out_dir: str | Path, 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    image_processor(max_pixels=max_pixels).save_pretrained(out)
+    patch = patch_size(getattr(model.config, "model_type", ""))
+    image_processor(min_pixels=(4 * patch) ** 2, max_pixels=max_pixels, patch=patch).save_pretrained(out)
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return out
 

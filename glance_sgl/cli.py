@@ -155,7 +155,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     conv.set_defaults(func=cmd_convert)
     tiny = sub.add_parser("tiny", help="build a tiny RANDOM target + drafter pair (smoke tests, not answers)")
     tiny.add_argument("--out", required=True, help="directory to write target/ and drafter/ into")
-    tiny.add_argument("--arch", choices=["qwen2_5_vl", "qwen2_vl"], default="qwen2_5_vl")
+    tiny.add_argument("--arch", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"], default="qwen2_5_vl")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_tiny)
     gen = sub.add_parser("generate", help="answer one image + prompt with GLANCE (or autoregressively with --ar)")

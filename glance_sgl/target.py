@@ -1,4 +1,4 @@
-"""Adapter over Hugging Face Qwen-VL targets (Qwen2.5-VL, Qwen2-VL) for the embedded engine.
+"""Adapter over Hugging Face Qwen-VL targets (Qwen2.5-VL, Qwen2-VL, Qwen3-VL dense) for the embedded engine.
 
 One request at a time (batch 1 in the Hugging Face cache). What it does:
 - ``prepare``: chat messages with images -> model inputs through the real processor (chat template, image
@@ -7,6 +7,12 @@ One request at a time (batch 1 in the Hugging Face cache). What it does:
 - ``forward_rows``: a tree-masked pass over packed rows (root + nodes) on top of the cache, with a FLOAT
   additive 4D mask and explicit ``(3, 1, R)`` positions ``P + depth + rope_delta`` (design §3);
 - ``keep_rows``: keep the KV entries of the prefix and of the accepted rows (index-select per layer).
+
+Taps (``glance_sgl.config``: the tap convention): tap ``t`` is the hidden state entering decoder layer ``t + 1``
+(the final norm for the last layer), caught by a forward pre-hook there. On Qwen2.5-VL / Qwen2-VL that is decoder
+layer ``t``'s output (Hugging Face ``hidden_states[t + 1]``); on Qwen3-VL it includes the deepstack vision
+features that the model adds to image positions after layers 0-2, as SGLang's capture does, so both engines feed
+the drafter the same features.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 
 class TargetError(ValueError):
@@ -111,8 +117,10 @@ class TargetAdapter:
         self.layers = model.model.language_model.layers
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing: frozenset[int] = frozenset()
-        for idx, layer in enumerate(self.layers):
-            layer.register_forward_hook(self._make_hook(idx))
+        # tap t = what enters layer t + 1 (the final norm after the last layer): deepstack additions included
+        receivers = list(self.layers[1:]) + [model.model.language_model.norm]
+        for idx, module in enumerate(receivers):
+            module.register_forward_pre_hook(self._make_hook(idx), with_kwargs=True)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -133,9 +141,9 @@ class TargetAdapter:
             raise TargetError(f"tap layers {bad} outside the target's layers 0..{n - 1}")
 
     def _make_hook(self, idx: int):
-        def hook(_module, _inputs, output):
+        def hook(_module, args, kwargs):
             if idx in self._capturing:
-                self._captured[idx] = output[0] if isinstance(output, tuple) else output
+                self._captured[idx] = args[0] if args else kwargs["hidden_states"]
 
         return hook
 
@@ -197,6 +205,7 @@ class TargetAdapter:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        self.model.model.rope_deltas = None  # a text-only prompt computes none: never reuse the last request's
         out, captured = self._run_capturing(taps, **prompt.inputs, past_key_values=cache, use_cache=True)
         deltas = self.model.model.rope_deltas
         rope_delta = int(deltas.reshape(-1)[0]) if deltas is not None else 0
@@ -211,7 +220,9 @@ class TargetAdapter:
         """Tree-masked pass over R packed rows on top of the cache (the cache grows by R).
 
         ``tokens`` / ``depths``: [R] long; ``ancestors``: bool [R, R] (row i sees row j iff True).
-        Every row sees the whole prefix. Positions are ``P + depth + rope_delta`` on all three M-RoPE axes.
+        Every row sees the whole prefix. Positions are ``P + depth + rope_delta`` on all three M-RoPE axes
+        (Qwen3-VL also takes a leading text row, ``(4, 1, R)``; with three rows its text positions are the same
+        values, and the explicit 4D mask makes them unused).
         ``taps``: decoder layers whose outputs to return, as in :meth:`prefill`.
         """
         r, p = tokens.shape[0], state.length
