@@ -4,7 +4,12 @@ Stages (each skipped when its output exists, so an interrupted build resumes):
 1. train the demo VLM (``WORK/target``), report its accuracy per grounded task;
 2. self-distillation data: the VLM's answers sampled at temperature 1 (seeded) + tap features (``WORK/distill``);
 3. train the drafter (``WORK/drafter``, checkpoints in ``WORK/drafter/checkpoint``), report tau per task;
-4. install both into the package's assets (weights in float32), unless ``--no-install``.
+4. with ``bench_limit`` > 0 (``--quick``), the benchmark (AR vs GLANCE, ``glance bench``'s engine methods) on that
+   many prompts per task;
+5. install both into the package's assets (weights in float32), unless ``--no-install``.
+
+``TargetRecipe.arch`` (``--target-arch``) picks the target's architecture: Qwen2.5-VL (the bundled demo),
+Qwen2-VL or Qwen3-VL.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ class DemoRecipe:
     budget: int = 15  # on 2 CPU cores a 15-node tree (the chain's row count) beat 23 and 31 (`glance bench --sweep`)
     branch_k: int = 2
     seed: int = 0
+    bench_limit: int = 0  # prompts per task of the closing benchmark (0: none)
+    tau_limit: int = 10  # prompts per task of the tau evaluation
 
 
-def quick_recipe() -> DemoRecipe:
-    """A minutes-long smoke version of the recipe (answers will be poor)."""
-    return DemoRecipe(target=TargetRecipe(steps=30, batch_size=4), distill_per_task=4, drafter_steps=20)
+def quick_recipe(arch: str = "qwen2_5_vl") -> DemoRecipe:
+    """A minutes-long smoke version of the recipe for a target of architecture ``arch`` (answers will be poor)."""
+    return DemoRecipe(target=TargetRecipe(steps=30, batch_size=4, arch=arch), distill_per_task=4, drafter_steps=20,
+                      bench_limit=1)
 
 
 def build_demo(work_dir: str | Path, recipe: DemoRecipe | None = None, install: bool = True,
@@ -88,9 +96,15 @@ def build_demo(work_dir: str | Path, recipe: DemoRecipe | None = None, install: 
 
     drafter = GlanceDrafter.from_pretrained(drafter_dir)
     engine = GlanceEngine(target, drafter)
-    report["tau"] = evaluate_tau(engine, {t: [e.messages() for e in eval_set(t)[:10]] for t in TASKS},
+    report["tau"] = evaluate_tau(engine, {t: [e.messages() for e in eval_set(t)[:recipe.tau_limit]] for t in TASKS},
                                  progress=progress)
     print("tau per task:", json.dumps(report["tau"]), flush=True)
+    if recipe.bench_limit > 0:
+        from .bench import format_table, run_bench
+
+        bench = run_bench(engine, limit=recipe.bench_limit, max_tokens=32, progress=progress, peers=False)
+        report["bench"] = {k: v for k, v in bench.items() if k in ("geomean_decode_speedup", "glance_method")}
+        print(format_table(bench), flush=True)
     report["timings"] = timings
     if install:
         install_assets(target_dir, drafter_dir)

@@ -11,7 +11,7 @@ def cmd_demo_build(args: argparse.Namespace) -> int:
     from .build import DemoRecipe, build_demo, quick_recipe
     from .target_training import TargetRecipe
 
-    recipe = quick_recipe() if args.quick else DemoRecipe(target=TargetRecipe())
+    recipe = quick_recipe(args.target_arch) if args.quick else DemoRecipe(target=TargetRecipe(arch=args.target_arch))
     report = build_demo(args.work, recipe, install=not args.no_install)
     print(json.dumps({k: v for k, v in report.items() if k != "recipe"}, indent=2))
     return 0
@@ -73,6 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     build.add_argument("--work", default="runs/demo", help="working directory (stages resume from it)")
     build.add_argument("--quick", action="store_true", help="a minutes-long smoke build (poor answers)")
     build.add_argument("--no-install", action="store_true", help="do not copy the result into the package")
+    build.add_argument("--target-arch", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"], default="qwen2_5_vl",
+                       help="the demo VLM's architecture (the bundled demo: qwen2_5_vl)")
     build.set_defaults(func=cmd_demo_build)
 
     bench = sub.add_parser("bench", help="AR vs GLANCE (auto and fixed planner), the chain and peers, per task")

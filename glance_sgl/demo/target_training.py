@@ -1,6 +1,7 @@
 """Training the demo VLM (a real Hugging Face Qwen2.5-VL, tiny) from scratch on the synthetic task family.
 
-The recipe: a BPE tokenizer trained on the task corpus, a small Qwen2.5-VL config, answer-only cross-entropy
+The recipe: a BPE tokenizer trained on the task corpus, a small Qwen2.5-VL config (``arch``: or Qwen2-VL /
+Qwen3-VL), answer-only cross-entropy
 on a task mix, AdamW with warmup and cosine decay, fixed seeds. The result is a standard Hugging Face
 directory (config, safetensors, tokenizer, preprocessor config, chat template) that loads offline.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoints import save_target, tiny_target_config, train_tokenizer
+from ..checkpoints import ARCHS, model_class, save_target, tiny_target_config, train_tokenizer
 from .tasks import GROUNDED, TASKS, Example, eval_set, train_example
 
 STATE_FILE = "trainer_state.pt"
@@ -40,6 +41,11 @@ class TargetRecipe:
     weight_decay: float = 0.01
     seed: int = 0
     max_pixels: int = 168 * 168
+    arch: str = "qwen2_5_vl"  # the target architecture: qwen2_5_vl, qwen2_vl or qwen3_vl
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown target architecture {self.arch!r}; expected one of {ARCHS}")
 
 
 def build_demo_tokenizer(recipe: TargetRecipe):
@@ -104,23 +110,24 @@ def train_target(out_dir: str | Path, recipe: TargetRecipe | None = None, progre
     """Train the demo VLM and save it to ``out_dir``; checkpoints in ``out_dir/checkpoint`` every
     ``checkpoint_every`` steps, and a rerun resumes from the last one. Returns the directory."""
     from tqdm import tqdm
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoProcessor
 
     recipe = recipe or TargetRecipe()
     out = Path(out_dir)
     ckpt = out / "checkpoint"
     torch.manual_seed(recipe.seed)
     tokenizer = build_demo_tokenizer(recipe)
+    model_cls = model_class(recipe.arch)
     config = tiny_target_config(
-        "qwen2_5_vl", tokenizer, hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
+        recipe.arch, tokenizer, hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
         num_heads=recipe.num_heads, num_kv_heads=recipe.num_kv_heads, intermediate_size=recipe.intermediate_size,
         vision_hidden=recipe.vision_hidden, vision_depth=recipe.vision_depth, max_position_embeddings=2048,
     )
     resume = (ckpt / STATE_FILE).is_file()
     if resume:  # through from_pretrained: the saved key layout is not the in-memory one
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).train()
+        model = model_cls.from_pretrained(ckpt, dtype=torch.float32).train()
     else:
-        model = Qwen2_5_VLForConditionalGeneration(config).float().train()
+        model = model_cls(config).float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(f"target:{recipe.seed}")
     counters = {t: 0 for t in TASKS}
