@@ -36,11 +36,13 @@ def test_distill_through_sglang_matches_the_embedded_engine(tmp_path):
     rows = json.loads(data.read_text())
     rows.insert(1, {"image": "missing.png", "conversations": [{"from": "human", "value": "<image>\nhi"}]})
     data.write_text(json.dumps(rows))
-    server = launch_target_server(target, device="cpu", log_path=tmp_path / "sglang.log")  # what distill runs
+    # what distill launches without --upstream; it starts while the embedded path answers
+    server = launch_target_server(target, device="cpu", log_path=tmp_path / "sglang.log", wait=False)
     threads = torch.get_num_threads()
     try:
         common = ["--target", target, "--data", str(data), "--max-new-tokens", str(MAX_NEW), "--no-features"]
         assert main(["distill", *common, "--out", str(tmp_path / "embedded"), "--temperature", "0"]) == 0
+        server.wait_ready(timeout=600)
         torch.set_num_threads(1)  # the server's scheduler has the cores now
         sg = ["distill", *common, "--backend", "sglang", "--upstream", server.url, "--concurrency", "4"]
         assert main([*sg, "--out", str(tmp_path / "sglang"), "--temperature", "0"]) == 0

@@ -5,7 +5,7 @@
 
 Writes the demo's training prompts as a LLaVA file, distils them (answers only, greedy) with both backends,
 checks the answers are token-identical and prints answers/s and answer tokens/s of each (the server's start-up
-is timed apart, not counted).
+is timed apart, not counted; a launched server is stopped before the embedded run).
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "answer_tokens": tokens}
             if "answerer" in kw:
                 kw["answerer"].close()
+                if server is not None:  # an idle server must not share the cores with the embedded run
+                    server.stop()
+                    server = None
         report["token_identical"] = runs["sglang"] == runs["embedded"]
         report["speedup"] = report["sglang"]["answers_per_s"] / report["embedded"]["answers_per_s"]
     finally:

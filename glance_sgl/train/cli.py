@@ -28,6 +28,11 @@ def read_requests(path: str, strict: bool = False) -> Iterator[tuple[str, list[d
         yield spec.task, spec.messages()
 
 
+def _mkdir(path: str | Path) -> Path:
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
+
+
 def _distill(args: argparse.Namespace, out: str, features: bool) -> dict[str, Any]:
     """Run the distillation stage of ``args``; returns the written meta (distill.json)."""
     from ..cli import CLIError
@@ -54,18 +59,20 @@ def _distill(args: argparse.Namespace, out: str, features: bool) -> dict[str, An
             from ..target import TargetAdapter
             from .sglang_distill import SGLangAnswerer, launch_target_server
 
-            target = TargetAdapter.load(args.target, device=args.device) if features else \
-                PromptOnlyTarget(args.target)
             url = args.upstream
-            if not url:
+            if not url:  # it starts while the target's processor (and weights, for features) load here
                 import shlex
 
                 print("launching SGLang for the target ...", file=sys.stderr, flush=True)
                 server = launch_target_server(args.target, device=args.sglang_device,
                                               extra_args=shlex.split(args.sglang_args or ""),
-                                              seeded=args.temperature > 0,
-                                              log_path=Path(out).with_name(Path(out).name + ".sglang.log"))
+                                              seeded=args.temperature > 0, wait=False,
+                                              log_path=_mkdir(out) / "sglang.log")
                 url = server.url
+            target = TargetAdapter.load(args.target, device=args.device) if features else \
+                PromptOnlyTarget(args.target)
+            if server is not None:
+                server.wait_ready(timeout=900)
             answerer = SGLangAnswerer(url, target.tokenizer, concurrency=args.concurrency)
         from ..config import GlanceConfig
         from .trainer import mask_token_for
@@ -153,6 +160,13 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     from ..engine import GlanceEngine
     from .trainer import evaluate_tau, split_indices
 
+    import os
+
+    from ..cli import CLIError
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise CLIError("train-pipeline runs in one process; under torchrun run `glance distill`, then "
+                       "`glance train-drafter --online`")
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)

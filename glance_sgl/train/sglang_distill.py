@@ -83,13 +83,14 @@ def free_port() -> int:
 
 def launch_target_server(target_dir: str | Path, device: str = "auto", port: int | None = None,
                          extra_args: Sequence[str] = (), log_path: str | Path | None = None,
-                         timeout: float = 600.0, seeded: bool = False):
+                         timeout: float = 600.0, seeded: bool = False, wait: bool = True):
     """Start ``sglang.launch_server`` on the target alone (no speculation) on loopback; returns the handle
     (``.url``, ``.stop()``). ``device``: auto (CUDA when present, else SGLang's CPU mode), cpu or cuda.
 
     ``seeded``: sampled answers should follow each request's ``sampling_seed``. SGLang's sampler honours it only
     under ``--enable-deterministic-inference``, added on CUDA; SGLang refuses that flag with the CPU mode's
-    attention backend, so on CPU sampled answers are not reproducible per seed (a warning says so)."""
+    attention backend, so on CPU sampled answers are not reproducible per seed (a warning says so).
+    ``wait=False`` returns at once (call ``.wait_ready()`` before sending requests)."""
     import sys
 
     import torch
@@ -104,7 +105,7 @@ def launch_target_server(target_dir: str | Path, device: str = "auto", port: int
         print("warning: SGLang's CPU mode cannot seed its sampler (--enable-deterministic-inference needs a GPU "
               "attention backend): sampled answers will not repeat per seed", file=sys.stderr, flush=True)
     return launch_sglang(target_dir, None, port=port or free_port(), cpu=cpu, extra_args=extra,
-                         log_path=log_path, timeout=timeout)
+                         log_path=log_path, timeout=timeout, wait=wait)
 
 
 __all__ = ["SGLangAnswerer", "free_port", "launch_target_server"]
