@@ -1,14 +1,21 @@
-"""Self-distillation data: the target's own answers and its tap-layer features, cached on disk.
+"""Self-distillation data: the target's own answers and (optionally) its tap-layer features, on disk.
 
-For each (image(s), prompt) the target answers (the engine's AR path: greedy, or sampled at ``temperature`` with
-a per-request seed); then one pass over prompt + answer captures the tap-layer outputs of every token.
+For each (image(s), prompt) the target answers: through the embedded engine's AR path (one request at a time,
+:class:`EmbeddedAnswerer`) or an SGLang server (:class:`glance_sgl.train.sglang_distill.SGLangAnswerer`, many in
+flight); greedy, or sampled at ``temperature`` with a per-request seed. Then, for the cached mode, one pass over
+prompt + answer captures the tap-layer outputs of every token; the online mode stores the answers only and the
+trainer recomputes the features in each step (:class:`DistillDataset` with ``online=True``).
 
 Why sample: where the target's next token is nearly a coin toss (stories, chat), its greedy pick is decided by
 small logit gaps that a drafter trained on greedy answers learns to copy from the prompt. Trained on samples, the
 drafter learns the target's distribution instead, so its confidence follows the target's entropy; where the
-target is sure (reading, counting) samples and greedy answers agree. Shards are safetensors files:
-``ids`` (int32, all sequences concatenated), ``taps`` (float16, [sum T, L*H]), ``offsets`` [N+1],
-``answer_starts`` [N]; a ``shard_XXXX.json`` sidecar names each sequence's task.
+target is sure (reading, counting) samples and greedy answers agree.
+
+A directory holds ``distill.json`` (counts, tap layers, ``features``, backend, sampling, the skipped rows),
+``answers.jsonl`` (per sequence: task, seed, prompt tokens, answer ids and the request with its image paths,
+null for in-memory requests) and safetensors shards: ``ids`` (int32, all sequences concatenated), ``offsets``
+[N+1], ``answer_starts`` [N] and, in the cached mode, ``taps`` (float16, [sum T, L*H]); a ``shard_XXXX.json``
+sidecar names each sequence's task.
 """
 
 from __future__ import annotations
