@@ -363,7 +363,8 @@ class GlanceEngine:
         planner: PlannerMode | None = None,
     ) -> GenerationResult:
         """Run one request to completion. ``messages``: chat messages (the chat template applies) or a string
-        (a raw text prompt, tokenised as is) or a prompt from :meth:`prepare`. ``on_delta`` receives committed tokens as they land;
+        (a raw text prompt, tokenised as is) or a prompt from :meth:`prepare`. ``on_delta`` receives committed
+        tokens as they land;
         ``should_stop`` is polled between rounds (True cancels: finish_reason "cancelled"). ``planner``
         ("auto" / "fixed") overrides the engine's default for mode "glance". Text holding a special-token string
         (``<|image_pad|>``, ``<|im_start|>``, ...) is refused (:class:`RequestError`, code
