@@ -224,3 +224,23 @@ def test_train_pipeline_quick_end_to_end(tmp_path, target_dirs):
 
     shards = list((root / "run" / "distill").glob("shard_*.safetensors"))
     assert shards and all("taps" not in load_file(str(p)) for p in shards)  # no feature cache
+
+
+def test_file_layouts_jsonl_json_list_and_wrapped(tmp_path):
+    """The same rows as JSONL, as a JSON list, wrapped under "data", and as JSONL in a .json file; a line that is
+    not JSON is a bad row of its own."""
+    make_image(1, (56, 56)).save(tmp_path / "a.png")
+    rows = [{"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nq"}]},
+            {"images": ["a.png"], "messages": [{"role": "user", "content": [{"type": "image"},
+                                                                            {"type": "text", "text": "q"}]}]}]
+    lines = "\n".join(json.dumps(r) for r in rows) + "\n{broken\n"
+    (tmp_path / "a.jsonl").write_text(lines)
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    (tmp_path / "c.json").write_text(json.dumps({"data": rows}))
+    (tmp_path / "d.json").write_text(lines)
+    for name, bad in (("a.jsonl", 1), ("b.json", 0), ("c.json", 0), ("d.json", 1)):
+        skips = SkipLog(quiet=True)
+        specs = list(read_dataset(tmp_path / name, skips))
+        assert [s.turns for s in specs][0] == specs[1].turns, name  # both variants: the same request
+        assert [s.text_field for s in specs] == ["conversations", "messages"]
+        assert [(s.row, s.field) for s in skips.skips] == ([(3, "row")] if bad else []), name

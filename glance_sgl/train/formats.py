@@ -1,7 +1,7 @@
 """Training request files in the formats VLM datasets ship in, with bad rows skipped (or refused) by name.
 
-Accepted rows (a file is ``.jsonl``: one row per line, or ``.json``: a list of rows, or an object holding the list
-under ``data`` / ``rows`` / ``examples``; image paths are relative to the file, or to ``image_root``):
+Accepted rows (a file is one row per line (JSONL), or one JSON document: a list of rows, or an object holding the
+list under ``data`` / ``rows`` / ``examples``; image paths are relative to the file, or to ``image_root``):
 
 - GLANCE JSONL: ``{"image": PATH or [PATHS], "prompt": TEXT, "task": NAME?}``;
 - LLaVA / ShareGPT: ``{"image": PATH or [PATHS], "conversations": [{"from": "human", "value": "<image>\\n..."},
@@ -252,7 +252,14 @@ def parse_row(row: Any, base: Path, image_root: Path | None = None) -> tuple[str
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(1-based row number, parsed row or a _BadRow for an unparseable line)."""
     text = path.read_text()
-    if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
+    data: Any = None
+    if path.suffix != ".jsonl" and text.lstrip()[:1] in ("[", "{"):
+        try:
+            data = json.loads(text)  # a JSON document (a JSONL file of one row parses too: one row)
+        except json.JSONDecodeError:
+            data = None  # one row per line after all (a .json file holding JSONL)
+    if data is None or (isinstance(data, dict) and not any(isinstance(data.get(k), list)
+                                                            for k in ("data", "rows", "examples"))):
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -261,11 +268,8 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
             except json.JSONDecodeError as exc:
                 yield n, _BadRow("row", f"not JSON: {exc}")
         return
-    data = json.loads(text)
     if isinstance(data, dict):
-        data = next((data[k] for k in ("data", "rows", "examples") if isinstance(data.get(k), list)), None)
-        if data is None:
-            raise DataError(f"{path}: a JSON object must hold its rows under 'data', 'rows' or 'examples'")
+        data = next(data[k] for k in ("data", "rows", "examples") if isinstance(data.get(k), list))
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of rows")
     yield from enumerate(data, 1)
