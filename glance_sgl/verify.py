@@ -290,6 +290,11 @@ def verify_tree(
     """
     choices = target_choices(logits, depths, next_index, specs)
     depth = tokens.shape[1] - 1 if max_depth is None else max_depth
+    if tokens.shape[1] == 1:  # the root alone (an AR step): nothing to walk, the choice is the bonus
+        pad = (0, depth)
+        return WalkResult(accepted_rows=torch.nn.functional.pad(torch.zeros_like(choices), pad, value=-1),
+                          accept_lens=torch.zeros_like(choices[:, 0]), bonus=choices[:, 0],
+                          committed_tokens=torch.nn.functional.pad(choices, pad, value=-1))
     if device_resident or logits.device.type != "cpu" or tokens.shape[0] > HOST_WALK_MAX_BATCH:
         return device_walk(tokens.to(logits.device), parents.to(logits.device), choices, depth)
     return greedy_walk(tokens, parents, choices, depth)

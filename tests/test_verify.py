@@ -68,6 +68,16 @@ def test_root_only_tree():
                  device_walk(torch.tensor([[5]]), torch.tensor([[-1]]), torch.tensor([[9]]), 0)):
         assert walk.accept_lens.tolist() == [0] and walk.bonus.tolist() == [9]
         assert walk.committed(torch.tensor([[5]])) == [[9]] and walk.committed_tokens.tolist() == [[9]]
+    # verify_tree's shortcut for 1-row trees (AR steps) is both walks' result, at any depth cap
+    rng = random.Random(0)
+    for cap in (None, 0, 3):
+        specs = random_specs(rng, 5)
+        tokens, parents, depths, logits, next_index = random_batch(rng, 5, 1, 1, 50, specs)
+        short = verify_tree(tokens, parents, depths, logits, next_index, specs, max_depth=cap)
+        choices = target_choices(logits, depths, next_index, specs)
+        for walk in (greedy_walk(tokens, parents, choices, cap),
+                     device_walk(tokens, parents, choices, 0 if cap is None else cap)):
+            assert_same_walk(short, walk)
 
 
 def test_top_p_keeps_the_nucleus():
