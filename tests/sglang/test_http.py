@@ -110,3 +110,53 @@ def test_gateway_sglang_backend_returns_glance_metrics(server, checkpoints):
             assert sum(g["acceptance_histogram"]) == g["rounds"]
     finally:
         gw.stop()
+
+
+def test_gateway_on_sglang_logprobs_completions_and_refusals(server, checkpoints):
+    """Issue 20 through a real GLANCE SGLang server: chat logprobs (SGLang's, from its verify pass) mapped to
+    OpenAI's format and streamed; a raw-prompt completion; special-token text refused at the gateway; a prompt
+    over SGLang's context length refused with a 400 before any stream opens (SGLang streams that error)."""
+    from transformers import AutoProcessor
+
+    from glance_server.app import create_app
+    from glance_server.config import ServerConfig
+    from glance_server.sglang import SGLangBackend
+
+    target, _, _ = checkpoints
+    processor = AutoProcessor.from_pretrained(str(target))
+    config = ServerConfig(served_model_name="glance-sglang", api_key=None, calibrate=False, upstream_url=server.url,
+                          request_timeout_s=300, max_prompt_chars=10 ** 6)
+    gw = _Gateway(create_app(config, SGLangBackend(server.url, processor, config), processor))
+    try:
+        body = {"model": "glance-sglang", "messages": _messages(), "max_tokens": 8, "temperature": 0,
+                "logprobs": True, "top_logprobs": 2}
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        content = out["choices"][0]["logprobs"]["content"]
+        assert len(content) == out["usage"]["completion_tokens"]
+        for e in content:
+            assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2
+            assert e["logprob"] == pytest.approx(e["top_logprobs"][0]["logprob"], abs=1e-4)  # greedy: the argmax
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as s:
+            assert s.status_code == 200
+            import json as _json
+
+            chunks = [_json.loads(line[5:]) for line in s.iter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        streamed = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                    for e in c["choices"][0]["logprobs"]["content"]]
+        assert [e["token"] for e in streamed] == [e["token"] for e in content]
+        r = httpx.post(gw.url + "/v1/completions", timeout=300,
+                       json={"model": "glance-sglang", "prompt": "The order lists", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        bad = {**body, "messages": [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>"}]}
+        r = httpx.post(gw.url + "/v1/chat/completions", json={**bad, "stream": True}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "special_token_in_text", r.text
+        long = {**body, "messages": [{"role": "user", "content": "word " * 40_000}], "stream": True}
+        r = httpx.post(gw.url + "/v1/chat/completions", json=long, timeout=300)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "context_length_exceeded", err
+    finally:
+        gw.stop()
