@@ -40,6 +40,8 @@ class DemoRecipe:
     seed: int = 0
     bench_limit: int = 0  # prompts per task of the closing benchmark (0: none)
     tau_limit: int = 10  # prompts per task of the tau evaluation
+    accuracy_limit: int = 20  # prompts per grounded task of the target's accuracy report
+    eval_max_tokens: int = 96  # answer length of the tau evaluation (the bench: at most 32)
 
 
 def quick_recipe(arch: str = "qwen2_5_vl") -> DemoRecipe:
@@ -72,7 +74,7 @@ def build_demo(work_dir: str | Path, recipe: DemoRecipe | None = None, install: 
 
     target = TargetAdapter.load(target_dir)
     ar_engine = GlanceEngine(target, None, mode="ar")
-    report["target_accuracy"] = target_accuracy(ar_engine)
+    report["target_accuracy"] = target_accuracy(ar_engine, n_per_task=recipe.accuracy_limit)
     print("demo VLM accuracy per grounded task:", json.dumps(report["target_accuracy"]), flush=True)
 
     t0 = time.time()
@@ -97,12 +99,13 @@ def build_demo(work_dir: str | Path, recipe: DemoRecipe | None = None, install: 
     drafter = GlanceDrafter.from_pretrained(drafter_dir)
     engine = GlanceEngine(target, drafter)
     report["tau"] = evaluate_tau(engine, {t: [e.messages() for e in eval_set(t)[:recipe.tau_limit]] for t in TASKS},
-                                 progress=progress)
+                                 max_tokens=recipe.eval_max_tokens, progress=progress)
     print("tau per task:", json.dumps(report["tau"]), flush=True)
     if recipe.bench_limit > 0:
         from .bench import format_table, run_bench
 
-        bench = run_bench(engine, limit=recipe.bench_limit, max_tokens=32, progress=progress, peers=False)
+        bench = run_bench(engine, limit=recipe.bench_limit, max_tokens=min(32, recipe.eval_max_tokens),
+                          progress=progress, peers=False)
         report["bench"] = {k: v for k, v in bench.items() if k in ("geomean_decode_speedup", "glance_method")}
         print(format_table(bench), flush=True)
     report["timings"] = timings
