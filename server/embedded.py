@@ -141,6 +141,10 @@ class EmbeddedBackend(Backend):
         return prompt
 
     def submit(self, request: GenRequest) -> Job:
+        if request.json_schema is not None:
+            raise bad_request("response_format json_object / json_schema needs grammar-constrained decoding, which "
+                              "the embedded engine does not have; serve with --backend sglang for it",
+                              "unsupported_parameter", "response_format")
         if request.mode not in (None, "ar") and self.engine.drafter is None:
             raise bad_request(f"mode {request.mode!r} needs a drafter; this server runs without one",
                               "unsupported_parameter", "glance.mode")

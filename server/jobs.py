@@ -33,6 +33,7 @@ class GenRequest:
     measure_speedup: bool = False
     debug_fault: str | None = None
     prompt: str | None = None
+    json_schema: str | None = None  # response_format as a JSON schema (SGLang's grammar), or None: free text
     prepared: Any = None  # the backend's prepared model inputs (embedded: a PreparedPrompt), set by prepare()
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 

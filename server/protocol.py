@@ -31,6 +31,7 @@ So ``completion_tokens == prefill_tokens + sum(committed_per_round)``, ``tau == 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -170,19 +171,29 @@ def chat_logprobs(body: ChatRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def check_response_format(response_format: dict[str, Any] | None) -> None:
-    """``text`` is the default; ``json_object`` / ``json_schema`` are refused (400 ``unsupported_parameter``):
-    the embedded engine has no grammar-constrained decoding, and GLANCE's SGLang worker applies no grammar mask
-    in its verify pass, so constrained speculation would not be lossless against constrained AR."""
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def check_response_format(response_format: dict[str, Any] | None) -> str | None:
+    """The JSON schema a ``response_format`` asks for (a JSON string), or None for free text (``text``, the
+    default). ``json_object`` is the schema ``{"type": "object"}``; ``json_schema`` needs ``json_schema.schema``
+    (an object). The SGLang backend decodes under it with SGLang's grammar backend (GLANCE's verify masks every
+    tree row by the grammar, so the output is constrained AR's); the embedded engine refuses it (400
+    ``unsupported_parameter``, at submit)."""
     if response_format is None:
-        return
+        return None
     kind = response_format.get("type")
     if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise bad_request(f"response_format {kind!r} is not supported on this server (no grammar-constrained "
-                          "decoding with GLANCE speculation); only 'text'", "unsupported_parameter",
-                          "response_format")
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                              "invalid_value", "response_format.json_schema.schema")
+        return json.dumps(schema)
     raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                       "invalid_value", "response_format.type")
 
@@ -252,7 +263,7 @@ async def convert_messages(messages: list[ChatMessage], config: ServerConfig,
 async def chat_request(body: ChatRequest, config: ServerConfig, client: httpx.AsyncClient) -> GenRequest:
     check_model(body.model, config)
     reject_unsupported(body)
-    check_response_format(body.response_format)
+    json_schema = check_response_format(body.response_format)
     logprobs = chat_logprobs(body)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -260,7 +271,8 @@ async def chat_request(body: ChatRequest, config: ServerConfig, client: httpx.As
     options = glance_options(body.glance, config)
     messages = await convert_messages(body.messages, config, client)
     return GenRequest(messages=messages, params=params, mode=options.mode, planner=options.planner,
-                      measure_speedup=options.measure_speedup, debug_fault=options.debug_fault)
+                      measure_speedup=options.measure_speedup, debug_fault=options.debug_fault,
+                      json_schema=json_schema)
 
 
 def glance_options(options: GlanceOptions | None, config: ServerConfig) -> GlanceOptions:

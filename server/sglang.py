@@ -238,6 +238,8 @@ class SGLangBackend(Backend):
             sampling["stop"] = list(p.stop)
         if p.seed is not None:
             sampling["sampling_seed"] = p.seed
+        if request.json_schema is not None:
+            sampling["json_schema"] = request.json_schema
         body: dict[str, Any] = {"text": text, "sampling_params": sampling, "stream": True, "rid": request.request_id}
         if p.logprobs is not None:
             body.update(return_logprob=True, top_logprobs_num=p.logprobs)

@@ -336,12 +336,12 @@ class GlanceWorker(BaseSpecWorker):
         by the request's seed and the output index), so that a seeded request's whole output is reproducible
         and equals the embedded engine's. Greedy requests keep SGLang's own choice."""
         specs = [sampling_spec(req) for req in batch.reqs]
-        if all(s.greedy for s in specs):
+        if all(s.greedy or req.grammar is not None for s, req in zip(specs, batch.reqs)):
             return predict
         rows = logits_output.next_token_logits.float().cpu()
         out = predict.clone()
         for b, (req, spec) in enumerate(zip(batch.reqs, specs)):
-            if spec.greedy:
+            if spec.greedy or req.grammar is not None:  # SGLang's sampler drew a constrained one under its grammar
                 continue
             row = rows[b]
             if float(row.min()) >= 0.0 and abs(float(row.sum()) - 1.0) < 1e-3:
@@ -520,6 +520,8 @@ class GlanceWorker(BaseSpecWorker):
         t2 = time.perf_counter()
         prof.mark(f"target[{tree.num_rows}]")
 
+        if batch.has_grammar:  # constrained requests: each row's logits masked by the grammar along its path
+            self._mask_grammar(batch, tree, logits)
         specs = [sampling_spec(req) for req in batch.reqs]
         next_index = torch.tensor([len(req.output_ids) for req in batch.reqs], device=self.device)
         # the walk where the logits are (no host copy of [bs, R, V]); on a CPU the host-list walk for small batches
@@ -569,6 +571,24 @@ class GlanceWorker(BaseSpecWorker):
         self._last_decode_end = time.perf_counter()
         return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens, new_seq_lens,
                             on_publish)
+
+    def _mask_grammar(self, batch: ScheduleBatch, tree: DraftTree, logits: torch.Tensor) -> None:
+        """Constrained decoding (SGLang's grammar backends: ``json_schema``, ``regex``, ``ebnf``): every tree row's
+        logits [bs, R, V] are masked in place by its request's grammar state after that row's path, which
+        SGLang's own traversal computes (``build_grammar_vocab_mask``, as NGRAM does). The walk then picks at every
+        row what constrained AR would pick there, so the output is constrained AR's; SGLang's scheduler advances
+        each grammar over the committed tokens (and drops any past its termination). Requests without a grammar
+        keep every token."""
+        from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
+
+        bs, rows = tree.tokens.shape
+        meta = glance_kernels.tree_meta(tree.parents.to(self.device), batch.seq_lens)
+        mask = build_grammar_vocab_mask(
+            reqs=batch.reqs, sampling_info=batch.sampling_info, device=logits.device, barrier=None,
+            tree=GrammarTree.from_host(meta.first_child.cpu().long(), meta.next_sibling.cpu().long(),
+                                       tree.tokens.cpu().long()))
+        if mask is not None:
+            mask.apply(logits.view(bs * rows, -1))
 
     def _spec_logprobs(self, batch: ScheduleBatch, logits_output, accepted_rows: torch.Tensor, tokens: torch.Tensor,
                        rows: int) -> None:

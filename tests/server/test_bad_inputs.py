@@ -130,6 +130,8 @@ BAD = [
     ("response_format json_schema", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object"}}}), 400, "unsupported_parameter"),
     ("response_format unknown type", chat(response_format={"type": "yaml"}), 400, "invalid_value"),
+    ("response_format json_schema without a schema", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x"}}), 400, "invalid_value"),
     # body parse errors: the OpenAI error body, not FastAPI's {"detail": ...}
     ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', 400, "invalid_utf8"),
     ("JSON nested too deep", b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, "json_too_deep"),

@@ -4,6 +4,7 @@ OpenAI chat request with an image straight to SGLang, and the gateway's ``sglang
 
 from __future__ import annotations
 
+import json
 import base64
 import io
 import socket
@@ -150,6 +151,14 @@ def test_gateway_on_sglang_logprobs_completions_and_refusals(server, checkpoints
         r = httpx.post(gw.url + "/v1/completions", timeout=300,
                        json={"model": "glance-sglang", "prompt": "The order lists", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        schema = {"type": "object", "properties": {"caption": {"type": "string", "maxLength": 20}},
+                  "required": ["caption"], "additionalProperties": False}
+        r = httpx.post(gw.url + "/v1/chat/completions", timeout=300, json={
+            "model": "glance-sglang", "messages": _messages(), "max_tokens": 64, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "caption", "schema": schema}}})
+        assert r.status_code == 200, r.text  # SGLang's grammar decodes it; GLANCE masks its tree rows by it
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and set(json.loads(choice["message"]["content"])) == {"caption"}
         bad = {**body, "messages": [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>"}]}
         r = httpx.post(gw.url + "/v1/chat/completions", json={**bad, "stream": True}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == "special_token_in_text", r.text

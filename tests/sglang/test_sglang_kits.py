@@ -10,6 +10,9 @@ GLANCE`` on CPU (float32, the bundled demo pair), one server for the whole modul
   requests, 4 in flight) and ``test_image_prefix_cache_reuse``, on local Pillow-rendered pictures (the demo's
   caption images, as PNG files) instead of the kit's download URLs;
 - ``SpecLogprobKit``: logprob shapes, ragged token-id logprobs, decode logprobs equal to prefill logprobs;
+- ``SpecGrammarKit`` (JSON-schema output valid, nothing past the grammar's end, logprob counts) and constrained
+  decoding token-identical to SGLang's constrained AR (the reference server) on the kit's schema and a caption
+  schema with an image;
 - SGLang's idle memory-leak check after the kits: the scheduler's invariant checker (strict: a leaked KV or
   request slot raises and ends the server; also after every busy step here), then SGLang's
   ``run_and_check_memory_leak`` convention of no "leak" in the server's output;
@@ -24,6 +27,7 @@ and ``os._exit``s the whole pytest run when the server exits non-zero.
 
 from __future__ import annotations
 
+import json
 import time
 import unittest
 from types import SimpleNamespace
@@ -65,6 +69,7 @@ def kit_server(checkpoints, tmp_path_factory):
     try:
         ref.wait_ready(500)
         parity = {p: spec_server_kits._greedy(ref.url, p) for p in spec_server_kits.SpecParityKit.parity_prompts}
+        grammar = [_constrained(ref.url, body) for body in _grammar_requests(target)]
         ref.stop()
         srv.wait_ready(500)
         print(f"servers ready in {time.perf_counter() - t0:.0f}s")
@@ -79,7 +84,8 @@ def kit_server(checkpoints, tmp_path_factory):
             paths.append(str(images / f"caption{i}.png"))
             ex.image.save(paths[-1])
         yield SimpleNamespace(server=srv, url=srv.url, log=logs / "glance.log", model=str(target),
-                              tokenizer=AutoTokenizer.from_pretrained(str(target)), parity=parity, images=paths)
+                              tokenizer=AutoTokenizer.from_pretrained(str(target)), parity=parity, images=paths,
+                              grammar=grammar, target=target)
     finally:
         ref.stop()
         srv.stop()
@@ -211,6 +217,65 @@ class TestGlanceSpecLogprob(_OnKitServer, spec_server_kits.SpecLogprobKit, unitt
     def test_logprob_mixed(self):
         pytest.skip("prompts of 200 to 2000 tokens, over a hundred requests: over the CPU mode's context and "
                     "this file's time budget")
+
+
+# ------------------------------------------------------------------------------------------------- grammar
+# The grammar kit's schema with bounded strings and number: the toy demo model, unlike a chat model, never ends a
+# free-length string by itself (it ran out of the kit's 256 tokens inside "name", in AR too)
+GRAMMAR_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"name": {"type": "string", "pattern": "^[\\w]{1,12}$"},
+                   "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+                   "country": {"type": "string", "pattern": "^[\\w ]{1,16}$"},
+                   "capital": {"type": "string", "pattern": "^[\\w ]{1,16}$"}},
+    "required": ["name", "population", "country", "capital"],
+})
+
+
+def _grammar_requests(target) -> list[dict]:
+    """Constrained requests: the grammar kit's schema on its text prompt, and a caption schema with an image."""
+    from glance_sgl.demo.tasks import eval_set
+    from glance_sgl.sglang.runner import chat_prompt, image_b64
+
+    ex = eval_set("caption")[0]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    text = chat_prompt(tok, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ex.prompt}]}])
+    caption = json.dumps({"type": "object", "properties": {"caption": {"type": "string", "maxLength": 60}},
+                          "required": ["caption"], "additionalProperties": False})
+    return [
+        {"text": "Here is the information of the capital of France in the JSON format.\n",
+         "sampling_params": {"temperature": 0, "max_new_tokens": 96,
+                             "json_schema": GRAMMAR_SCHEMA}},
+        {"text": text, "image_data": [image_b64(ex.image)],
+         "sampling_params": {"temperature": 0, "max_new_tokens": 64, "json_schema": caption}},
+    ]
+
+
+def _constrained(url: str, body: dict) -> dict:
+    r = requests.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.usefixtures("on_kit_server")
+class TestGlanceSpecGrammar(_OnKitServer, spec_server_kits.SpecGrammarKit, unittest.TestCase):
+    """Valid JSON under the kit's schema (lengths bounded) with nothing after the grammar's end, logprob counts ==
+    completion tokens."""
+
+    grammar_json_schema = GRAMMAR_SCHEMA
+
+
+def test_constrained_decoding_is_constrained_ar(kit_server):
+    """GLANCE masks every tree row by the grammar along its path, so its constrained output is SGLang's
+    constrained AR's (the reference server without speculation), token for token, and the decode speculated."""
+    for body, want in zip(_grammar_requests(kit_server.target), kit_server.grammar):
+        got = _constrained(kit_server.url, body)
+        assert got["output_ids"] == want["output_ids"], (got["text"], want["text"])
+        assert got["meta_info"]["spec_verify_ct"] > 0
+        if got["meta_info"]["finish_reason"]["type"] == "stop":  # ended by the grammar, not by max_new_tokens
+            json.loads(got["text"])
 
 
 # ------------------------------------------------------------------------------------- SGLang's idle leak check
