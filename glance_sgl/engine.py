@@ -371,9 +371,6 @@ class GlanceEngine:
         ``special_token_in_text``)."""
         params = params or SamplingParams()
         params.validate()
-        if not isinstance(messages, PreparedPrompt) and \
-                (hit := self.special_tokens.check_messages(messages)) is not None:
-            raise RequestError(special_token_message(*hit), "special_token_in_text", hit[0])
         mode = mode or self.mode
         if mode != "ar" and self.drafter is None:
             raise RequestError(f"mode {mode!r} needs a drafter; this engine has none")
@@ -406,13 +403,7 @@ class GlanceEngine:
             raise RequestError(special_token_message(*hit), "special_token_in_text", hit[0])
         if isinstance(messages, str):
             return self._prepare_text(messages, processor)
-        if processor is None:
-            return self.target.prepare(messages)
-        from types import SimpleNamespace
-
-        # the target's own preparation code, run with the other processor
-        other = SimpleNamespace(processor=processor, device=self.target.device, model=self.target.model)
-        return type(self.target).prepare(other, messages)
+        return self.target.prepare(messages, processor)
 
     def _prepare_text(self, text: str, processor: Any = None) -> PreparedPrompt:
         """A raw text prompt (no chat template, no images) -> model inputs: input_ids [1, P] and the rest."""

@@ -171,15 +171,17 @@ class TargetAdapter:
         return self.model.get_output_embeddings()
 
     # ------------------------------------------------------------------ prompt
-    def prepare(self, messages: list[dict[str, Any]]) -> PreparedPrompt:
-        """Chat template + image processor + placeholder expansion -> model inputs on the device."""
+    def prepare(self, messages: list[dict[str, Any]], processor: Any = None) -> PreparedPrompt:
+        """Chat template + image processor + placeholder expansion -> model inputs on the device. ``processor``:
+        a copy of the target's, to prepare in another thread (processors are not safe to share); None: its own."""
+        processor = processor or self.processor
         template_messages, images = split_messages(messages)
-        text = self.processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+        text = processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
         if images:
             kwargs["images"] = images
         try:
-            inputs = self.processor(**kwargs)
+            inputs = processor(**kwargs)
         except (ValueError, TypeError) as exc:
             raise TargetError(f"could not process the request's images: {exc}") from exc
         inputs = {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
