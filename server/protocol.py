@@ -70,12 +70,12 @@ class ChatMessage(BaseModel):
     content: str | list[Any] | None = None
 
 
-class ChatRequest(BaseModel):
+class _GenerationBody(BaseModel):
+    """The fields chat and legacy completions requests share."""
+
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    messages: list[ChatMessage]
     max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -83,38 +83,29 @@ class ChatRequest(BaseModel):
     n: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    glance: GlanceOptions | None = None
+
+
+class ChatRequest(_GenerationBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    glance: GlanceOptions | None = None
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(_GenerationBody):
     """OpenAI's legacy ``POST /v1/completions``: one raw text prompt (no chat template), text only."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
     prompt: str | list[Any]
-    max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
-    n: StrictInt | None = None
     best_of: StrictInt | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     suffix: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    glance: GlanceOptions | None = None
 
 
 # ------------------------------------------------------------------------------------------------ parsing
