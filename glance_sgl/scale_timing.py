@@ -109,7 +109,7 @@ def drafter_call(target, cfg, bs: int, context: int, device: str, dtype: torch.d
     from glance_sgl.sglang.draft_graph import DraftPassRunner
     from glance_sgl.sglang.draft_pool import DraftKVPool
 
-    drafter = GlanceDrafter.for_target(cfg, mask_token_id=0, num_hidden_layers=layers, num_taps=min(5, layers * 5),
+    drafter = GlanceDrafter.for_target(cfg, mask_token_id=0, num_hidden_layers=layers, num_taps=5,
                                        seed=0).to(device=device, dtype=dtype).eval()
     drafter.bind_target(target.model.embed_tokens, target.lm_head)
     pool = DraftKVPool(drafter, size=bs * context + 1, device=device, dtype=dtype)

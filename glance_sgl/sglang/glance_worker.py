@@ -247,8 +247,8 @@ class GlanceWorker(BaseSpecWorker):
                                             max_bs=max_bs, use_graphs=graphs and self.tp_size == 1)
         (logger.info if graphs else logger.warning)(  # without graphs a diagnostic mode: say so
             "GLANCE graphs: verify widths %s, drafter pass at static shapes up to batch %d (%s)",
-                    self.verify_graphs.widths if self.verify_graphs else None, max_bs,
-                    "CUDA graphs" if self.draft_runner.use_graphs else "eager")
+            self.verify_graphs.widths if self.verify_graphs else None, max_bs,
+            "CUDA graphs" if self.draft_runner.use_graphs else "eager")
 
     @property
     def target_worker(self) -> TpModelWorker:
@@ -335,14 +335,14 @@ class GlanceWorker(BaseSpecWorker):
         """At T > 0 the prompt's next token is drawn like every later one (glance_sgl.verify: Gumbel noise keyed
         by the request's seed and the output index), so that a seeded request's whole output is reproducible
         and equals the embedded engine's. Greedy requests keep SGLang's own choice."""
-        specs = [sampling_spec(req) for req in batch.reqs]
-        if all(s.greedy or req.grammar is not None for s, req in zip(specs, batch.reqs)):
+        # SGLang's choice stands for greedy requests and for constrained ones (its sampler drew under the grammar)
+        redraw = [(b, req, spec) for b, (req, spec) in enumerate(zip(batch.reqs, map(sampling_spec, batch.reqs)))
+                  if not spec.greedy and req.grammar is None]
+        if not redraw:
             return predict
         rows = logits_output.next_token_logits.float().cpu()
         out = predict.clone()
-        for b, (req, spec) in enumerate(zip(batch.reqs, specs)):
-            if spec.greedy or req.grammar is not None:  # SGLang's sampler drew a constrained one under its grammar
-                continue
+        for b, req, spec in redraw:
             row = rows[b]
             if float(row.min()) >= 0.0 and abs(float(row.sum()) - 1.0) < 1e-3:
                 # SGLang's sampler leaves softmax(logits / T) in place: its log is the tempered distribution.
