@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,13 @@ from typing import Sequence
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "glance_cpu", "--disable-cuda-graph",
             "--disable-overlap-schedule", "--dtype", "float32", "--mem-fraction-static", "0.3",
             "--max-total-tokens", "4096", "--context-length", "1024")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a server launched next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cpu_server_args() -> list[str]:

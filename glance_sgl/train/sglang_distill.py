@@ -14,7 +14,6 @@ answers are sampled). Greedy answers (temperature 0) need nothing.
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -75,12 +74,6 @@ class SGLangAnswerer:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_target_server(target_dir: str | Path, device: str = "auto", port: int | None = None,
                          extra_args: Sequence[str] = (), log_path: str | Path | None = None,
                          timeout: float = 600.0, seeded: bool = False, wait: bool = True):
@@ -95,7 +88,7 @@ def launch_target_server(target_dir: str | Path, device: str = "auto", port: int
 
     import torch
 
-    from ..sglang.launch import launch_sglang
+    from ..sglang.launch import free_port, launch_sglang
 
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     extra = list(extra_args)
@@ -108,4 +101,4 @@ def launch_target_server(target_dir: str | Path, device: str = "auto", port: int
                          log_path=log_path, timeout=timeout, wait=wait)
 
 
-__all__ = ["SGLangAnswerer", "free_port", "launch_target_server"]
+__all__ = ["SGLangAnswerer", "launch_target_server"]

@@ -7,22 +7,15 @@ from __future__ import annotations
 import json
 import base64
 import io
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 
-from glance_sgl.sglang.launch import launch_sglang
+from glance_sgl.sglang.launch import free_port, launch_sglang
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _image_url() -> str:
@@ -44,7 +37,7 @@ def _messages():
 def server(checkpoints, tmp_path_factory):
     target, drafter, _ = checkpoints
     log = tmp_path_factory.mktemp("http") / "sglang.log"
-    srv = launch_sglang(target, drafter, port=_free_port(), cpu=True, log_path=log,
+    srv = launch_sglang(target, drafter, port=free_port(), cpu=True, log_path=log,
                         env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"},
                         extra_args=["--log-level", "warning", "--random-seed", "0"], timeout=400)
     yield srv

@@ -35,8 +35,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from glance_loadtest.soak import free_port
-from glance_sgl.sglang.launch import launch_sglang
+from glance_sgl.sglang.launch import free_port, launch_sglang
 
 from sglang.test import vlm_utils  # modules only, see above
 from sglang.test.kits import basic_api_contract_kit, matched_stop_kit, spec_server_kits
