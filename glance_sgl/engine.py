@@ -23,7 +23,7 @@ import glance_kernels
 import torch
 
 from .drafter import DrafterCache, GlanceDrafter, draft_logprobs
-from .metrics import RequestMetrics, entropy_nats
+from .metrics import RequestMetrics, entropies_nats, entropy_nats
 from .special_tokens import SpecialTokenGuard, special_token_message
 from .planner import (PLANNER_MODES, CostModel, Planner, PlannerMode, calibrate, cost_key, default_row_grid, load_costs,
                       save_costs)
@@ -541,7 +541,9 @@ class GlanceEngine:
             token, rows = self._ar_pass(state, committed, spec, taps)
             planner.costs.observe_verify(1, 1, (time.perf_counter() - t0) * 1000.0)
             draft.stash.append(rows.taps)
-            draft.lead_entropy = entropy = entropy_nats(rows.logits[0])
+            # the entropy costs a pass over the vocabulary: only when the next gate reads it
+            entropy = entropy_nats(rows.logits[0]) if planner.wants_entropy(draft.rid) else None
+            draft.lead_entropy = entropy
             return [token], RoundRecord(0, 0, entropy, plan.expected_tokens[0], drafter_ran=False,
                                         choice_logits=rows.logits[:1])
 
@@ -573,8 +575,8 @@ class GlanceEngine:
             self.target.keep_rows(state, tree.num_rows, path)
         self.drafter.extend_context(draft.cache, rows.taps[path.to(rows.taps.device)][None],
                                     torch.tensor([accepted + 1]))
-        root_entropy = entropy_nats(logits[0, 0])
-        draft.lead_entropy = root_entropy if accepted == 0 else entropy_nats(logits[0, int(path[-1])])
+        # the root's entropy (metrics, the entropy table) and the lead entropy of the next round, in one pass
+        root_entropy, draft.lead_entropy = entropies_nats(logits[0, path[[0, -1]]])
         if planner is not None and plan is not None:
             planner.observe(rid, plan, lead, [accepted], tree, walk)
             t6 = time.perf_counter()

@@ -15,10 +15,15 @@ from typing import Any
 import torch
 
 
+def entropies_nats(logits: torch.Tensor) -> list[float]:
+    """Entropy (nats, fp32) of softmax of each row of ``logits`` [N, V]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return (-(logp.exp() * logp).sum(-1)).tolist()
+
+
 def entropy_nats(logits: torch.Tensor) -> float:
     """Entropy (nats, fp32) of softmax(``logits``) for a single distribution [V]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return float(-(logp.exp() * logp).sum())
+    return entropies_nats(logits[None])[0]
 
 
 @dataclass

@@ -47,9 +47,15 @@ PROBE_BACKOFF = 4  # a failed probe waits this many times longer for the next (2
 PROBE_BACKOFF_FAST = 16  # ... or this many, while probes across requests rarely pay (2, 32, 64 rounds)
 PROBE_RARE = 0.25  # "rarely": the decayed share of probes that paid, over all requests, below this
 PROBE_DECAY = 0.9  # memory of that share: ~10 probes
-START_DECAY = 0.8  # memory of how requests' first drafting rounds went: ~5 requests
-START_HOLD = 8  # while first rounds rarely pay, a new request's first probe waits this many rounds
-TREND = 0.95  # decay per drafted round of a request's yield sums: ~20 rounds of memory (per-round acceptance is noisy)
+START_DECAY = 0.6  # memory of how requests' first drafting rounds went: ~2.5 requests
+START_HOLD = 8  # while first rounds rarely pay, a new request's first probe waits this many rounds ...
+START_HOLD_LONG = 16  # ... and this many while they almost never do (share below START_RARE)
+START_RARE = 0.1
+EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request drafts at once all the same, so a
+# return of requests the drafter knows is noticed even when their answers are shorter than the hold
+TREND = 0.95  # decay per drafted round of a request's tree-prediction sums: ~20 rounds (per-round acceptance is noisy)
+RECENT = 0.97  # decay per round (AR rounds too) of what a request's drafting rounds accepted: ~30 rounds of memory
+PRIOR_ROUNDS = 1.0  # weight, in rounds, of the entropy table's value in a request's expected acceptance
 
 
 # ---------------------------------------------------------------------------------------------------- costs
@@ -84,6 +90,19 @@ class CostModel:
     def verify_ms(self, rows: int, batch: int = 1) -> float:
         """The target's pass over ``rows`` rows for each of ``batch`` requests (1 row = an AR step)."""
         return _interp(self.verify_rows, self.verify_ms_at, float(rows * batch)) * self.scale
+
+    def verify_ms_many(self, rows: Sequence[int], batch: int = 1) -> list[float]:
+        """:meth:`verify_ms` at each of ``rows`` (ascending), in one walk along the curve."""
+        xs, ys, out, i = self.verify_rows, self.verify_ms_at, [], 1
+        if len(xs) == 1:
+            return [self.verify_ms(r, batch) for r in rows]
+        for r in rows:
+            x = float(r * batch)
+            while i < len(xs) - 1 and xs[i] < x:
+                i += 1
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            out.append(max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) * self.scale)
+        return out
 
     def draft_ms(self, batch: int = 1) -> float:
         return _interp(self.draft_batch, self.draft_ms_at, float(batch)) * self.scale
@@ -316,20 +335,22 @@ class EntropyTable:
 
 @dataclass
 class RequestPlanState:
-    """What the planner keeps per request: its yield relative to predictions, and its probe back-off.
+    """What the planner keeps per request: what its drafting rounds accepted, and its probe back-off.
 
-    ``gate_ratio``: actual / entropy-table-predicted accepted drafts (decayed sums with a weak prior of ratio 1);
-    ``tree_ratio``: the same against the tree-based prediction; ``ar_streak``: consecutive rounds without
-    drafting; ``probe_interval``: rounds without drafting before the next probe; ``drafted_rounds``: rounds
-    that ran the drafter (a request's first one is a probe too: nothing is known about it yet); ``hold``: AR
-    rounds before the first drafting round (set at the request's start from how recent requests' first rounds
-    went).
+    ``recent_accepted`` / ``recent_rounds``: accepted drafts and drafted rounds, both decayed by ``RECENT`` every
+    round (AR rounds too, so a long spell without drafting leaves little of what came before); ``tree_ratio``:
+    actual / tree-predicted accepted drafts (the tree-size choice's correction); ``paused``: drafting is off until
+    a probe pays; ``ar_streak``: consecutive rounds without drafting; ``probe_interval``: rounds without drafting
+    before the next probe; ``drafted_rounds``: rounds that ran the drafter (a request's first one is a probe:
+    nothing is known about it yet); ``hold``: AR rounds before the first drafting round (set at the request's
+    start from how recent requests' first rounds went).
     """
 
-    gate_actual: float = 1.0  # a weak prior of ratio 1: one failure on an unfamiliar input stops drafting
-    gate_pred: float = 1.0
+    recent_accepted: float = 0.0
+    recent_rounds: float = 0.0
     tree_actual: float = 1.0
     tree_pred: float = 1.0
+    paused: bool = False
     ar_streak: int = 0
     probe_interval: int = MIN_PROBE_INTERVAL
     last_nodes: int = -1
@@ -337,18 +358,21 @@ class RequestPlanState:
     hold: int = 0
 
     @property
-    def gate_ratio(self) -> float:
-        return self.gate_actual / self.gate_pred
-
-    @property
     def probe_due(self) -> bool:
-        """Whether enough AR rounds have passed for a probe (the first one waits ``hold`` rounds at least)."""
-        wait = max(self.probe_interval, self.hold) if self.drafted_rounds == 0 else self.probe_interval
-        return self.ar_streak >= wait
+        """Whether this request's next round is a probe: while drafting is paused, once ``probe_interval`` AR
+        rounds have passed; before its first drafting round, once ``hold`` of them have (and at least
+        ``probe_interval``, for a request the entropy table alone kept from drafting)."""
+        if self.drafted_rounds == 0:
+            return self.ar_streak >= max(self.probe_interval, self.hold)
+        return self.paused and self.ar_streak >= self.probe_interval
 
     @property
     def tree_ratio(self) -> float:
         return min(self.tree_actual / self.tree_pred, 1.5)
+
+    def decay(self) -> None:
+        self.recent_accepted *= RECENT
+        self.recent_rounds *= RECENT
 
 
 # ---------------------------------------------------------------------------------------------------- policy
@@ -389,6 +413,7 @@ class Planner:
     # ... and of requests' first drafting rounds (a prior of one that paid)
     starts_paid: float = 1.0
     starts: float = 1.0
+    new_requests: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
@@ -401,7 +426,11 @@ class Planner:
     def state(self, rid: object) -> RequestPlanState:
         st = self.requests.get(rid)
         if st is None:
-            hold = START_HOLD if self.starts_paid / self.starts < PROBE_RARE else 0
+            share = self.starts_paid / self.starts
+            hold = START_HOLD_LONG if share < START_RARE else START_HOLD if share < PROBE_RARE else 0
+            self.new_requests += 1
+            if self.new_requests % EXPLORE == 0:
+                hold = 0
             st = self.requests[rid] = RequestPlanState(hold=hold)
         return st
 
@@ -410,34 +439,51 @@ class Planner:
 
     # ------------------------------------------------------------ step 1: draft or not
     def predicted_accept(self, rid: object, lead_entropy: float | None) -> float:
-        """Accepted drafts expected from drafting now, before the drafter pass."""
-        base = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
-        return base * self.state(rid).gate_ratio
+        """Accepted drafts expected from drafting now, before the drafter pass: what the request's own recent
+        drafting rounds accepted, with the entropy table's value at ``lead_entropy`` as a prior worth
+        ``PRIOR_ROUNDS`` rounds (all there is for a request that has not drafted yet)."""
+        st = self.state(rid)
+        prior = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
+        return (PRIOR_ROUNDS * prior + st.recent_accepted) / (PRIOR_ROUNDS + st.recent_rounds)
+
+    def wants_entropy(self, rid: object) -> bool:
+        """Whether the next :meth:`gate` may read this request's lead entropy, asked after a round without
+        drafting (an engine that computes it on the host can skip it otherwise): not while the request's drafting
+        is paused or held back."""
+        st = self.state(rid)
+        return not (st.paused or (st.drafted_rounds == 0 and st.ar_streak < st.hold))
 
     def gate(self, rids: Sequence[object], lead_entropies: Sequence[float | None]) -> bool:
         """Whether this batch runs the drafter. Cheap: no tensor work. Counts a probe as drafting."""
         if self.mode == "fixed":
             return True
-        bs = len(rids)
         states = [self.state(r) for r in rids]
         if any(st.probe_due for st in states):
-            return True  # a probe: one request's drafting may pay again; the tree size still gets chosen
-        if all(st.drafted_rounds == 0 and st.ar_streak < st.hold for st in states):
-            return False  # new requests while first rounds rarely pay: AR until their first probe
+            return True  # a probe: one request's drafting may pay (again); the tree size still gets chosen
+        if all(st.paused or (st.drafted_rounds == 0 and st.ar_streak < st.hold) for st in states):
+            return False  # paused, or new requests held back from drafting: only a probe drafts
+        return self._pays(rids, lead_entropies, states)
+
+    def _pays(self, rids: Sequence[object], lead_entropies: Sequence[float | None],
+              states: Sequence[RequestPlanState]) -> bool:
+        """Whether the batch's expected tokens per ms of a drafting round beat an AR step's by ``margin``: at
+        the tree size the batch last chose (whose rounds the acceptance record comes from), or the fixed budget."""
+        bs = len(rids)
         expected = sum(1.0 + self.predicted_accept(r, h) for r, h in zip(rids, lead_entropies))
-        # the round's cost at the tree the batch last chose (the fixed budget when none or larger)
         last = max((st.last_nodes for st in states), default=-1)
         ref = self.fixed_nodes if last <= 0 else min(last, self.fixed_nodes)
-        rate_draft = expected / self.costs.round_ms(ref, bs)
-        rate_ar = bs / self.costs.ar_ms(bs)
-        return rate_draft > self.margin * rate_ar
+        return expected / self.costs.round_ms(ref, bs) > self.margin * bs / self.costs.ar_ms(bs)
 
     def skip(self, rids: Sequence[object]) -> Plan:
-        """Record a round without drafting (an AR step for every request of the batch)."""
+        """Record a round without drafting (an AR step for every request of the batch). A request that was
+        drafting is paused: it drafts again when a probe pays."""
         for r in rids:
-            self.state(r).ar_streak += 1
-        bs = len(rids)
-        return Plan(0, [1.0] * bs, drafted=False)
+            st = self.state(r)
+            st.ar_streak += 1
+            st.decay()
+            if st.drafted_rounds and not st.paused:
+                st.paused, st.probe_interval = True, MIN_PROBE_INTERVAL
+        return Plan(0, [1.0] * len(rids), drafted=False)
 
     # ------------------------------------------------------------ step 2: how many nodes
     def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -461,7 +507,8 @@ class Planner:
             draft = self.costs.draft_ms(bs) + self.costs.overhead_ms
             sizes = list(range(limit + 1)) if not self.row_menu else \
                 sorted({min(w - 1, limit) for w in self.row_menu if w >= 1})
-            rates = [per_n[n] / (draft + self.costs.verify_ms(n + 1, bs)) for n in sizes]
+            verify = self.costs.verify_ms_many([n + 1 for n in sizes], bs)
+            rates = [per_n[n] / (draft + v) for n, v in zip(sizes, verify)]
             # the smallest tree within 2 % of the best: deep nodes' predictions are the least certain, and a
             # flat stretch of the curve is no reason to pay for more rows
             best = max(rates)
@@ -485,23 +532,20 @@ class Planner:
         for r, h, a, pred in zip(rids, lead_entropies, accept_lens, raw):
             st = self.state(r)
             a = float(a)
-            h0 = h if h is not None else 0.0
-            table = self.entropy.expected(h0)
-            if plan.nodes > 0:
-                self.entropy.observe(h0, a)
+            if plan.nodes > 0 and h is not None:
+                self.entropy.observe(h, a)
                 st.tree_actual = TREND * st.tree_actual + a
                 st.tree_pred = TREND * st.tree_pred + float(pred)
-            st.gate_actual = TREND * st.gate_actual + a
-            st.gate_pred = TREND * st.gate_pred + table
+            st.decay()
+            st.recent_accepted += a
+            st.recent_rounds += 1.0
             # did drafting pay for this request (its share of the batch's round against its share of AR)?
             paid = (1.0 + a) / round_ms > self.margin / ar_ms
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
                 self.starts_paid = START_DECAY * self.starts_paid + float(paid)
-            if st.drafted_rounds == 0 or st.probe_due:
+            if st.drafted_rounds == 0 or st.paused:
                 self._probed(st, paid)
-            elif paid:
-                st.probe_interval = MIN_PROBE_INTERVAL
             st.drafted_rounds += 1
             st.ar_streak = 0
 
@@ -514,8 +558,11 @@ class Planner:
         (traffic the drafter does not know) the wait grows faster, so probes do not eat what AR rounds save."""
         self.probes = PROBE_DECAY * self.probes + 1.0
         self.probes_paid = PROBE_DECAY * self.probes_paid + float(paid)
+        st.paused = not paid
         if paid:
             st.probe_interval = MIN_PROBE_INTERVAL
+        elif self.starts_paid / self.starts < START_RARE:
+            st.probe_interval = MAX_PROBE_INTERVAL  # the drafter knows almost nothing of today's traffic
         else:
             backoff = PROBE_BACKOFF_FAST if self.probe_success() < PROBE_RARE else PROBE_BACKOFF
             st.probe_interval = min(backoff * st.probe_interval, MAX_PROBE_INTERVAL)

@@ -243,13 +243,17 @@ class TargetAdapter:
         """After a pass over ``num_rows`` rows, keep only the rows ``keep`` (ascending row indices) in the
         cache: entries become prefix + kept rows, in order."""
         p = state.length - num_rows
-        n = int(keep.numel())
-        src = p + keep.to(self.device)
-        # only the kept rows move (to p .. p+n-1, in order; sources never precede their destination), then the
-        # cache is cut there: O(kept rows) rather than a copy of the whole cache
+        rows = keep.tolist()
+        n = len(rows)
+        # rows already in place (a leading run 0, 1, 2, ...: a confident drafter's chain comes first in a
+        # best-first tree) stay; only the others move (to p + i, in order; sources never precede their
+        # destination), then the cache is cut: O(moved rows) rather than a copy of the whole cache
+        start = next((i for i, row in enumerate(rows) if row != i), n)
+        src = p + keep[start:].to(self.device) if start < n else None
         for layer in state.cache.layers:
             for name in ("keys", "values"):
                 buf = getattr(layer, name)
-                buf[..., p:p + n, :] = buf.index_select(-2, src)
+                if src is not None:
+                    buf[..., p + start:p + n, :] = buf.index_select(-2, src)
                 setattr(layer, name, buf[..., :p + n, :])
         state.length = p + n

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from glance_sgl.planner import (MAX_PROBE_INTERVAL, START_HOLD, CostModel, DepthCalibration, EntropyTable, Planner, calibrate,
+from glance_sgl.planner import (EXPLORE, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG, CostModel, DepthCalibration, EntropyTable, Planner, calibrate,
                                 cost_key, default_row_grid, load_costs, save_costs)
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, verify_tree
@@ -184,16 +184,63 @@ def test_where_probes_rarely_pay_new_requests_wait_before_drafting_and_back_off_
     first = drafted_steps(planner, "wild0", tree, accepted=0, steps=40)
     # nothing known yet: draft at once; that first round is a probe, so its failure backs off (8 AR rounds)
     assert first[:2] == [0, 9]
+    holds = []
     for i in range(1, 6):  # a run of requests the drafter does not know
         drafted = drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
+        holds.append(drafted[0])
     assert planner.probe_success() < 0.25
-    assert drafted and drafted[0] == START_HOLD  # the first probe waits ...
-    assert len(drafted) == 2 and drafted[1] - drafted[0] > 16  # ... and a failed one waits long for the next
+    # first rounds stop paying: new requests wait START_HOLD, then (almost never paying) START_HOLD_LONG rounds
+    assert START_HOLD in holds and holds[-1] == START_HOLD_LONG
+    assert drafted == [START_HOLD_LONG]  # ... and a failed probe then waits MAX_PROBE_INTERVAL rounds
     # a request the drafter knows: its first probe pays, drafting goes on every round, and the next new request
     # drafts at once again
     known = drafted_steps(planner, "doc", tree, accepted=6, steps=30)
-    assert known == list(range(START_HOLD, 30))
+    assert known == list(range(START_HOLD_LONG, 30))
     assert drafted_steps(planner, "doc2", tree, accepted=6, steps=5) == list(range(5))
+
+
+def test_where_first_rounds_never_pay_one_new_request_in_explore_drafts_at_once():
+    """Requests the drafter knows but whose answers are shorter than the hold still bring drafting back: every
+    EXPLORE-th new request probes at its first round."""
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+    tree = random_tree(6, 15, sharp=8.0)
+    for i in range(6):
+        drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=20)
+    firsts = [drafted_steps(planner, f"short{i}", tree, accepted=6, steps=6) for i in range(EXPLORE)]
+    explorer = next(i for i, d in enumerate(firsts) if d)
+    assert all(not d for d in firsts[:explorer])  # too short for the hold: no drafting at all
+    # the explorer probes at once (or after the shortest interval, where the entropy table alone says no), its
+    # probe pays, and the requests after it draft from their first round
+    assert firsts[explorer][0] <= MIN_PROBE_INTERVAL
+    assert all(d == list(range(6)) for d in firsts[explorer + 1:]) and explorer < EXPLORE - 1
+
+
+def test_a_paying_request_is_not_paused_by_noisy_rounds_but_one_that_stops_paying_is():
+    """Open-ended answers accept a few drafts on average, some rounds none: drafting goes on. A request whose
+    rounds stop accepting is paused (AR rounds) and probed again."""
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+    tree = random_tree(6, 15, sharp=8.0)
+    noisy = []
+    for step in range(60):
+        if planner.gate(["open"], [1.5]):
+            noisy.append(step)
+            plan = planner.choose(["open"], tree.scores, tree.depths)
+            planner.observe(["open"], plan, [1.5], [(5, 0, 0)[step % 3]], tree.prefix(plan.nodes + 1), None)
+        else:
+            planner.skip(["open"])
+    assert noisy == list(range(60))
+    stopped = []
+    for step in range(40):
+        if planner.gate(["open"], [1.5]):
+            stopped.append(True)
+            plan = planner.choose(["open"], tree.scores, tree.depths)
+            planner.observe(["open"], plan, [1.5], [0], tree.prefix(plan.nodes + 1), None)
+        else:
+            stopped.append(False)
+            planner.skip(["open"])
+    # a long paying record fades in ~RECENT's memory (some 20 rounds here), then the request is paused and mostly
+    # runs AR rounds (probes between them)
+    assert planner.state("open").paused and stopped.index(False) < 30 and stopped[30:].count(False) >= 8
 
 
 def test_gate_keeps_drafting_where_it_pays_and_a_probe_that_pays_resets_the_back_off():
@@ -204,11 +251,11 @@ def test_gate_keeps_drafting_where_it_pays_and_a_probe_that_pays_resets_the_back
         plan = planner.choose(["doc"], tree.scores, tree.depths)
         planner.observe(["doc"], plan, [0.01], [6], tree.prefix(plan.nodes + 1), None)
     st = planner.state("doc")
-    st.ar_streak, st.probe_interval = 8, 8  # as after a spell of AR rounds: a probe is due
+    st.paused, st.ar_streak, st.probe_interval = True, 8, 8  # as after a spell of AR rounds: a probe is due
     assert planner.gate(["doc"], [3.0])
     plan = planner.choose(["doc"], tree.scores, tree.depths)
     planner.observe(["doc"], plan, [3.0], [6], None, None)
-    assert st.ar_streak == 0 and st.probe_interval == 2
+    assert st.ar_streak == 0 and st.probe_interval == 2 and not st.paused
 
 
 def test_entropy_table_learns_per_bin_and_shrinks_unvisited_bins_to_the_mean():
@@ -240,3 +287,11 @@ def test_fixed_tree_walk_feedback_runs_on_a_real_walk():
     before = planner.depth.hits.clone()
     planner.observe(["a", "b"], plan, [0.1, 0.1], walk.accept_lens.tolist(), tree, walk)
     assert planner.depth.hits[1] > before[1] * planner.depth.decay
+
+
+def test_verify_ms_many_walks_the_curve_like_verify_ms():
+    costs = CostModel([1, 2, 4, 8, 16, 32], [1.0, 1.1, 1.3, 1.9, 2.5, 4.0], [1], [0.5])
+    costs.scale = 1.25
+    rows = list(range(1, 70))
+    for batch in (1, 3):
+        assert costs.verify_ms_many(rows, batch) == pytest.approx([costs.verify_ms(r, batch) for r in rows])

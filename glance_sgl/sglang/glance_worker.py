@@ -51,6 +51,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 import glance_kernels
 from glance_sgl.drafter import GlanceDrafter
 from glance_sgl.host_transfers import count_host_transfers
+from glance_sgl.metrics import entropies_nats
 from glance_sgl.planner import calibrate, cost_key, default_row_grid, save_costs
 from glance_sgl.tree import DraftTree, build_tree
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
@@ -77,12 +78,6 @@ def chain_of(roots: torch.Tensor, rows: int) -> DraftTree:
     ar = torch.arange(rows, device=roots.device)[None, :].expand(bs, -1)
     return DraftTree(roots[:, None].expand(-1, rows).contiguous(), (ar - 1).contiguous(), ar.contiguous(),
                      torch.zeros(bs, rows, device=roots.device))
-
-
-def entropies_nats(logits: torch.Tensor) -> list[float]:
-    """Entropy (nats, fp32) of softmax of each row of ``logits`` [bs, V]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return (-(logp.exp() * logp).sum(-1)).tolist()
 
 
 def _prefill_entropies(rows: torch.Tensor) -> list[float]:

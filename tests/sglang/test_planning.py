@@ -178,7 +178,8 @@ def test_draft_kv_pool_equals_per_request_extends():
 
 def test_ar_and_calibration_trees_verify_inputs():
     from glance_sgl.sglang.glance_info import build_verify_input
-    from glance_sgl.sglang.glance_worker import chain_of, entropies_nats, root_tree
+    from glance_sgl.metrics import entropies_nats
+    from glance_sgl.sglang.glance_worker import chain_of, root_tree
 
     roots = torch.tensor([5, 9])
     seq_lens = torch.tensor([4, 6])
