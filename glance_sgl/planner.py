@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,31 +188,35 @@ def calibrate(
     """Measure a cost model. ``run_verify(rows, batch)`` runs one target pass of ``rows`` rows for each of
     ``batch`` requests; ``run_draft(batch)`` one drafter pass. ``row_grid``: (rows, batch) pairs, their products
     being the curve's points. Every point is timed once per sweep over the grid, ``repeats`` sweeps after a
-    warm-up one, and keeps its fastest time: a busy spell on a shared machine hits one sweep, not one point, and
-    the curves keep the machine's unloaded shape (the online ``scale`` follows its load)."""
+    warm-up one, and keeps its median time: a busy spell on a shared machine hits one sweep, not one point, and
+    a lucky fast pass does not set a point either (the fastest of a few passes undervalued extra rows against an
+    AR step by a third on the demo). The online ``scale`` follows the machine's load."""
     grid, batches = list(row_grid), list(batch_grid)
-    best: dict[int, float] = {}
-    dbest: dict[int, float] = {}
+    times: dict[int, list[float]] = {}
+    dtimes: dict[int, list[float]] = {}
     for sweep in range(repeats + 1):
         for rows, batch in grid:
             ms = _time_ms(lambda: run_verify(rows, batch))
             if sweep:
-                best[rows * batch] = min(best.get(rows * batch, math.inf), ms)
+                times.setdefault(rows * batch, []).append(ms)
         for batch in batches:
             ms = _time_ms(lambda: run_draft(batch))
             if sweep:
-                dbest[batch] = min(dbest.get(batch, math.inf), ms)
-    xs = sorted(best)
-    ys = [best[x] for x in xs]
+                dtimes.setdefault(batch, []).append(ms)
+    xs = sorted(times)
+    ys = [statistics.median(times[x]) for x in xs]
     for i in range(1, len(ys)):  # a pass over more rows never costs less (noise aside)
         ys[i] = max(ys[i], ys[i - 1])
-    bs = sorted(dbest)
-    return CostModel(xs, ys, bs, [dbest[b] for b in bs], 0.0, key)
+    bs = sorted(dtimes)
+    return CostModel(xs, ys, bs, [statistics.median(dtimes[b]) for b in bs], 0.0, key)
+
+
+CALIBRATION_VERSION = 2  # bumped when calibrate() measures differently: older cached calibrations are not reused
 
 
 def cost_key(*parts: object) -> str:
-    """A short stable key for a (device, model, threads, ...) combination."""
-    return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:16]
+    """A short stable key for a (device, model, threads, ...) combination (and the calibration method)."""
+    return hashlib.sha256(json.dumps([CALIBRATION_VERSION, *[str(p) for p in parts]]).encode()).hexdigest()[:16]
 
 
 def cost_cache_dir() -> Path | None:
@@ -356,6 +361,7 @@ class RequestPlanState:
     last_nodes: int = -1
     drafted_rounds: int = 0
     hold: int = 0
+    explorer: bool = False  # one of the new requests that probe at once however rarely first rounds pay
 
     @property
     def probe_due(self) -> bool:
@@ -429,9 +435,8 @@ class Planner:
             share = self.starts_paid / self.starts
             hold = START_HOLD_LONG if share < START_RARE else START_HOLD if share < PROBE_RARE else 0
             self.new_requests += 1
-            if self.new_requests % EXPLORE == 0:
-                hold = 0
-            st = self.requests[rid] = RequestPlanState(hold=hold)
+            explorer = self.new_requests % EXPLORE == 0
+            st = self.requests[rid] = RequestPlanState(hold=0 if explorer else hold, explorer=explorer)
         return st
 
     def forget(self, rid: object) -> None:
@@ -458,8 +463,12 @@ class Planner:
         if self.mode == "fixed":
             return True
         states = [self.state(r) for r in rids]
-        if any(st.probe_due for st in states):
-            return True  # a probe: one request's drafting may pay (again); the tree size still gets chosen
+        due = [st for st in states if st.probe_due]
+        # a probe: a request's drafting may pay (again); the tree size still gets chosen. In a batch the whole
+        # batch pays for it, so a probe waits until half the batch's are due (or an explorer's is), unless the
+        # batch's drafting pays anyway; every request of a drafted batch is probed by it
+        if due and (2 * len(due) >= len(states) or any(st.explorer and st.drafted_rounds == 0 for st in due)):
+            return True
         if all(st.paused or (st.drafted_rounds == 0 and st.ar_streak < st.hold) for st in states):
             return False  # paused, or new requests held back from drafting: only a probe drafts
         return self._pays(rids, lead_entropies, states)

@@ -532,8 +532,11 @@ class GlanceWorker(BaseSpecWorker):
                                       seq_lens.long(), walk.accepted_rows.to(self.device))
         self._write_committed(batch, taps, walk.accepted_rows, accepted + 1)
         # the next round's lead entropies: the rows whose target distribution produced the bonus tokens
-        last = walk.accepted_rows.to(self.device).gather(1, accepted[:, None]).squeeze(1)
-        self.lead.update(zip(rids, entropies_nats(logits[torch.arange(bs, device=self.device), last])))
+        if drafted or any(self.planner.wants_entropy(r) for r in rids):
+            last = walk.accepted_rows.to(self.device).gather(1, accepted[:, None]).squeeze(1)
+            self.lead.update(zip(rids, entropies_nats(logits[torch.arange(bs, device=self.device), last])))
+        else:  # an AR step of requests whose drafting is paused: no gate reads their entropies
+            self.lead.update((r, None) for r in rids)
         self.planner.observe(rids, plan, lead, accepted.tolist(), tree if drafted else None,
                              walk if drafted else None)
         prof.mark("kv+stash+plan")
