@@ -328,3 +328,18 @@ def test_in_a_batch_probes_wait_until_half_the_batch_is_due_and_one_drafted_batc
     assert drafted[0] == 4
     assert all(planner.state(r).ar_streak == planner.state("a").ar_streak for r in rids)  # aligned since
     assert len(drafted) <= 3
+
+
+def test_calibrated_rows_are_smoothed_beyond_the_ar_step():
+    """One noisy point does not bend the per-row slope: beyond 1 row a least-squares line, the AR step as
+    measured, never decreasing."""
+    from glance_sgl.planner import _smooth_rows
+
+    xs = [1, 2, 4, 8, 16, 32]
+    line = [5.0] + [6.0 + 0.1 * x for x in xs[1:]]
+    assert _smooth_rows(xs, line) == pytest.approx(line)
+    bumped = list(line)
+    bumped[4] += 2.0  # a busy spell at 16 rows
+    smooth = _smooth_rows(xs, bumped)
+    assert smooth[0] == 5.0 and abs(smooth[4] - line[4]) < 1.0 and smooth == sorted(smooth)
+    assert _smooth_rows([1, 2], [5.0, 4.0]) == [5.0, 5.0]  # too few points for a line: only made non-decreasing
