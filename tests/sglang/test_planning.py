@@ -44,6 +44,8 @@ def test_batch_cost_model_interpolates_refines_and_round_trips(tmp_path, monkeyp
     assert c.draft_ms(4) == pytest.approx(6.0)
     c.observe_step(4, 2.0)
     assert c.verify_ms(2, 4) == pytest.approx(26.0) and c.ar_ms(4) == pytest.approx(22.0)
+    # the tree-size choice reads the costs of every size at once: the same per-batch curves and scheduler time
+    assert c.verify_ms_many([1, 2, 3, 4], 4) == pytest.approx([c.verify_ms(r, 4) for r in (1, 2, 3, 4)])
     before = c.pass_ms(4, 4)
     for _ in range(20):
         c.observe_verify(4, 4, 16.0)  # the machine got faster
