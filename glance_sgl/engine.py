@@ -348,7 +348,7 @@ class GlanceEngine:
             self._draft_full_tree(dcache, root, self.max_nodes)
 
         costs = calibrate(run_verify, run_draft, [(r, 1) for r in default_row_grid(self.max_nodes + 1)], [1],
-                          repeats=15, key=key)
+                          repeats=15, key=key, smooth=True)
         save_costs(costs)
         return costs
 

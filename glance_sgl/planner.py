@@ -183,6 +183,7 @@ def calibrate(
     batch_grid: Iterable[int],
     repeats: int = 7,
     key: str = "",
+    smooth: bool = False,
 ) -> CostModel:
     """Measure a cost model. ``run_verify(rows, batch)`` runs one target pass of ``rows`` rows for each of
     ``batch`` requests; ``run_draft(batch)`` one drafter pass. ``row_grid``: (rows, batch) pairs, their products
@@ -190,7 +191,8 @@ def calibrate(
     warm-up one, and keeps its fastest time: a busy spell on a shared machine hits one sweep, not one point, and
     the curves keep the machine's unloaded shape (the online ``scale`` follows its load). On the demo (2 busy
     cores) the fastest passes predicted the fixed tree's round at 2.39 AR steps where rounds measured 2.26-2.46;
-    the medians of the same sweeps said 2.55 (a noisy sweep bends their shape)."""
+    the medians of the same sweeps said 2.55 (a noisy sweep bends their shape). ``smooth``: one request's curve
+    (the embedded engine) is smoothed beyond its first point (:func:`_smooth_rows`)."""
     grid, batches = list(row_grid), list(batch_grid)
     times: dict[int, list[float]] = {}
     dtimes: dict[int, list[float]] = {}
@@ -204,19 +206,28 @@ def calibrate(
             if sweep:
                 dtimes.setdefault(batch, []).append(ms)
     xs = sorted(times)
-    ys = _smooth_rows(xs, [min(times[x]) for x in xs])
+    ys = [min(times[x]) for x in xs]
+    ys = _smooth_rows(xs, ys) if smooth else _non_decreasing(ys)
     bs = sorted(dtimes)
     return CostModel(xs, ys, bs, [min(dtimes[b]) for b in bs], 0.0, key)
 
 
-CALIBRATION_VERSION = 4  # bumped when calibrate() measures differently: older cached calibrations are not reused
+CALIBRATION_VERSION = 5  # bumped when calibrate() measures differently: older cached calibrations are not reused
+
+
+def _non_decreasing(ys: list[float]) -> list[float]:
+    """A pass over more rows never costs less (noise aside)."""
+    out = list(ys)
+    for i in range(1, len(out)):
+        out[i] = max(out[i], out[i - 1])
+    return out
 
 
 def _smooth_rows(xs: list[int], ys: list[float]) -> list[float]:
-    """Calibrated pass times by rows, smoothed: beyond one row (the AR step, kept as measured) a least-squares line
-    through the points, since one noisy point otherwise bends the per-row slope the tree-size choice weighs
-    (fastest-of-5 ratios of the 16-row pass to the AR step ranged 1.23-1.46 on one idle machine); then
-    non-decreasing (a pass over more rows never costs less)."""
+    """One request's calibrated pass times by rows, smoothed: beyond one row (the AR step, kept as measured) a
+    least-squares line through the points, since one noisy point otherwise bends the per-row slope the tree-size
+    choice weighs (fastest-of-5 ratios of the 16-row pass to the AR step ranged 1.23-1.46 on one idle machine);
+    then non-decreasing. Not for batches, whose curves are not lines over hundreds of rows."""
     out = list(ys)
     pts = [(x, y) for x, y in zip(xs, ys) if x > 1]
     if len(pts) >= 3:
@@ -225,9 +236,7 @@ def _smooth_rows(xs: list[int], ys: list[float]) -> list[float]:
         var = sum((x - mx) ** 2 for x, _ in pts)
         slope = max(sum((x - mx) * (y - my) for x, y in pts) / var, 0.0) if var > 0 else 0.0
         out = [y if x <= 1 else my + slope * (x - mx) for x, y in zip(xs, ys)]
-    for i in range(1, len(out)):
-        out[i] = max(out[i], out[i - 1])
-    return out
+    return _non_decreasing(out)
 
 
 def cost_key(*parts: object) -> str:
