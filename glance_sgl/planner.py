@@ -92,17 +92,8 @@ class CostModel:
         return _interp(self.verify_rows, self.verify_ms_at, float(rows * batch)) * self.scale
 
     def verify_ms_many(self, rows: Sequence[int], batch: int = 1) -> list[float]:
-        """:meth:`verify_ms` at each of ``rows`` (ascending), in one walk along the curve."""
-        xs, ys, out, i = self.verify_rows, self.verify_ms_at, [], 1
-        if len(xs) == 1:
-            return [self.verify_ms(r, batch) for r in rows]
-        for r in rows:
-            x = float(r * batch)
-            while i < len(xs) - 1 and xs[i] < x:
-                i += 1
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            out.append(max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) * self.scale)
-        return out
+        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs."""
+        return [self.verify_ms(r, batch) for r in rows]
 
     def draft_ms(self, batch: int = 1) -> float:
         return _interp(self.draft_batch, self.draft_ms_at, float(batch)) * self.scale
@@ -194,22 +185,22 @@ def calibrate(
     the medians of the same sweeps said 2.55 (a noisy sweep bends their shape). ``smooth``: one request's curve
     (the embedded engine) is smoothed beyond its first point (:func:`_smooth_rows`)."""
     grid, batches = list(row_grid), list(batch_grid)
-    times: dict[int, list[float]] = {}
-    dtimes: dict[int, list[float]] = {}
+    best: dict[int, float] = {}
+    dbest: dict[int, float] = {}
     for sweep in range(repeats + 1):
         for rows, batch in grid:
             ms = _time_ms(lambda: run_verify(rows, batch))
             if sweep:
-                times.setdefault(rows * batch, []).append(ms)
+                best[rows * batch] = min(best.get(rows * batch, math.inf), ms)
         for batch in batches:
             ms = _time_ms(lambda: run_draft(batch))
             if sweep:
-                dtimes.setdefault(batch, []).append(ms)
-    xs = sorted(times)
-    ys = [min(times[x]) for x in xs]
+                dbest[batch] = min(dbest.get(batch, math.inf), ms)
+    xs = sorted(best)
+    ys = [best[x] for x in xs]
     ys = _smooth_rows(xs, ys) if smooth else _non_decreasing(ys)
-    bs = sorted(dtimes)
-    return CostModel(xs, ys, bs, [min(dtimes[b]) for b in bs], 0.0, key)
+    bs = sorted(dbest)
+    return CostModel(xs, ys, bs, [dbest[b] for b in bs], 0.0, key)
 
 
 CALIBRATION_VERSION = 5  # bumped when calibrate() measures differently: older cached calibrations are not reused
@@ -398,6 +389,11 @@ class RequestPlanState:
         return self.paused and self.ar_streak >= self.probe_interval
 
     @property
+    def drafting_off(self) -> bool:
+        """Paused, or a new request still held back from drafting: only a probe drafts for it."""
+        return self.paused or (self.drafted_rounds == 0 and self.ar_streak < self.hold)
+
+    @property
     def tree_ratio(self) -> float:
         return min(self.tree_actual / self.tree_pred, 1.5)
 
@@ -480,8 +476,7 @@ class Planner:
         """Whether the next :meth:`gate` may read this request's lead entropy, asked after a round without
         drafting (an engine that computes it on the host can skip it otherwise): not while the request's drafting
         is paused or held back."""
-        st = self.state(rid)
-        return not (st.paused or (st.drafted_rounds == 0 and st.ar_streak < st.hold))
+        return not self.state(rid).drafting_off
 
     def gate(self, rids: Sequence[object], lead_entropies: Sequence[float | None]) -> bool:
         """Whether this batch runs the drafter. Cheap: no tensor work. Counts a probe as drafting."""
@@ -494,8 +489,8 @@ class Planner:
         # batch's drafting pays anyway; every request of a drafted batch is probed by it
         if due and (2 * len(due) >= len(states) or any(st.explorer and st.drafted_rounds == 0 for st in due)):
             return True
-        if all(st.paused or (st.drafted_rounds == 0 and st.ar_streak < st.hold) for st in states):
-            return False  # paused, or new requests held back from drafting: only a probe drafts
+        if all(st.drafting_off for st in states):
+            return False
         return self._pays(rids, lead_entropies, states)
 
     def _pays(self, rids: Sequence[object], lead_entropies: Sequence[float | None],

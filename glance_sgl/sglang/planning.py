@@ -22,7 +22,6 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from glance_sgl.planner import CostModel, Planner, RandomPlanner, _interp, cost_cache_dir
 
@@ -77,9 +76,6 @@ class BatchCostModel(CostModel):
 
     def verify_ms(self, rows: int, batch: int = 1) -> float:
         return self.pass_ms(rows, batch) + self.scheduler_ms(batch)
-
-    def verify_ms_many(self, rows: Sequence[int], batch: int = 1) -> list[float]:
-        return [self.verify_ms(r, batch) for r in rows]  # per-batch curves: the base model's walk does not apply
 
     def calibrated_batches(self) -> list[int]:
         return sorted(self.curves)
