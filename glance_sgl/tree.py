@@ -4,14 +4,31 @@ A tree is packed as rows ``[root] + nodes``: row 0 is the root (the last committ
 drafted nodes in best-first order, so every parent precedes its children. Node scores are sums of per-offset
 log-probabilities along the path (offsets treated as independent); the N nodes kept are the N best of the
 (infinite) candidate tree, which is prefix-closed because scores only decrease with depth.
+
+Candidate sources (issue 27): every node may carry a source tag, a bitmask of the sources that proposed it
+(``SOURCE_DRAFTER``, ``SOURCE_NGRAM``; a node reached by both carries ``SOURCE_BOTH``). ``merge_trees`` merges the
+trees of several sources under one row budget: branches with a shared token prefix become one branch, and the
+rows kept are the best-scored ones, best-first, so the result keeps the invariants above (prefix-closed, parents
+before children, any prefix of it is itself the best-first merged tree of that budget). ``SourceAcceptance``
+learns online how often the target takes a node of each source at each depth, which gives sources without
+probabilities of their own (n-gram matches) a calibrated score. The walk (``glance_sgl.verify``) never reads the
+tags: a merged tree is verified exactly like a drafter tree, so losslessness does not depend on the sources.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+# Source tags: a bitmask per node (a node proposed by several sources carries the OR of their bits).
+SOURCE_NONE = 0  # the root (row 0) and the padding rows of a merged batch (never proposed by any source)
+SOURCE_DRAFTER = 1  # the block drafter (every node of a tree whose ``sources`` is None)
+SOURCE_NGRAM = 2  # n-gram matches (glance_sgl.ngram_source)
+SOURCE_BOTH = SOURCE_DRAFTER | SOURCE_NGRAM
+SOURCE_NAMES = {SOURCE_DRAFTER: "drafter", SOURCE_NGRAM: "ngram"}
 
 
 @dataclass
@@ -21,13 +38,17 @@ class DraftTree:
     tokens:  [B, N+1] long, row 0 = root token
     parents: [B, N+1] long, parent row of each row (-1 for the root)
     depths:  [B, N+1] long, 0 for the root; a node at depth d drafts offset d (the token d steps after the root)
-    scores:  [B, N+1] float32, cumulative log-probability of the path (0 at the root)
+    scores:  [B, N+1] float32, cumulative log-probability of the path (0 at the root); in a merged tree the
+             estimated log-probability that the walk reaches the node (``merge_trees``); -inf on padding rows
+    sources: [B, N+1] long source tags (bitmask of ``SOURCE_*``; ``SOURCE_NONE`` at the root and on padding
+             rows), or None: every node is the drafter's (``source_tags()`` fills it in)
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     scores: torch.Tensor
+    sources: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -46,7 +67,18 @@ class DraftTree:
         ``rows - 1``, prefix-closed because parents precede children."""
         if rows >= self.num_rows:
             return self
-        return DraftTree(self.tokens[:, :rows], self.parents[:, :rows], self.depths[:, :rows], self.scores[:, :rows])
+        sources = None if self.sources is None else self.sources[:, :rows]
+        return DraftTree(self.tokens[:, :rows], self.parents[:, :rows], self.depths[:, :rows], self.scores[:, :rows],
+                         sources)
+
+    def source_tags(self) -> torch.Tensor:
+        """[B, N+1] long source tags: ``sources``, or for an untagged (drafter) tree ``SOURCE_DRAFTER`` on every
+        node and ``SOURCE_NONE`` at the root."""
+        if self.sources is not None:
+            return self.sources
+        tags = torch.full_like(self.tokens, SOURCE_DRAFTER)
+        tags[:, 0] = SOURCE_NONE
+        return tags
 
     def ancestor_mask(self) -> torch.Tensor:
         return ancestor_mask(self.parents)
@@ -188,3 +220,239 @@ def tree_pointers(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     first_child = torch.where(first_child == r, -1, first_child)
     next_sibling = torch.where(next_sibling == r, -1, next_sibling)
     return first_child, next_sibling
+
+
+# ------------------------------------------------------------------------------------------ candidate sources
+class CandidateTrie:
+    """One request's candidates from any number of sources, as a trie over token paths (host lists).
+
+    Node 0 is the root (the last committed token). ``add(parent, token, score, tag)`` returns the child of
+    ``parent`` carrying ``token``, creating it if no source proposed it yet; a node proposed again keeps the best
+    score and the OR of the tags. Nodes are numbered in creation order, so every parent precedes its children and
+    siblings carry distinct tokens. ``best_first(n)`` packs the best ``n`` nodes as rows.
+    """
+
+    __slots__ = ("tokens", "parents", "depths", "scores", "tags", "children", "_index")
+
+    def __init__(self, root: int) -> None:
+        self.tokens: list[int] = [int(root)]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self.scores: list[float] = [0.0]
+        self.tags: list[int] = [SOURCE_NONE]
+        self.children: list[list[int]] = [[]]
+        self._index: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        """Nodes, the root included."""
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float, tag: int) -> int:
+        """The node for ``token`` under node ``parent`` (created if new); ``score`` a log-probability (NaN reads
+        as -inf), ``tag`` a ``SOURCE_*`` bitmask. Returns the node's index."""
+        if score != score:
+            score = float("-inf")
+        key = (parent, int(token))
+        node = self._index.get(key)
+        if node is None:
+            node = len(self.tokens)
+            self._index[key] = node
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.scores.append(float(score))
+            self.tags.append(int(tag))
+            self.children.append([])
+            self.children[parent].append(node)
+        else:
+            if score > self.scores[node]:
+                self.scores[node] = float(score)
+            self.tags[node] |= int(tag)
+        return node
+
+    def add_tree(self, tokens: Sequence[int], parents: Sequence[int], scores: Sequence[float], tags: Sequence[int],
+                 max_depth: int | None = None) -> None:
+        """Rows 1.. of one packed tree (row 0 is the root; every parent row before its children). Padding rows
+        (tag ``SOURCE_NONE``), rows deeper than ``max_depth`` and their descendants are left out."""
+        node_of = [0] + [-1] * (len(tokens) - 1)
+        for r in range(1, len(tokens)):
+            p = parents[r]
+            if tags[r] == SOURCE_NONE or p < 0 or p >= r or node_of[p] < 0:
+                continue
+            parent = node_of[p]
+            if max_depth is not None and self.depths[parent] >= max_depth:
+                continue
+            node_of[r] = self.add(parent, tokens[r], scores[r], tags[r])
+
+    def rescore(self, log_table: Sequence[Sequence[float]], tag: int, ranks_from: int = 1) -> None:
+        """Scores of every node tagged ``tag`` alone (e.g. n-gram nodes, which carry no probabilities) from a
+        per-depth, per-sibling-rank table of conditional log-acceptance ``log_table[depth][rank]`` (depths and
+        ranks beyond the table read its last entry): a node's score is its parent's plus its own entry, so scores
+        never increase along a path. ``rank`` counts the earlier siblings carrying ``tag``. Nodes carrying other
+        bits too keep the best of their score and this one."""
+        rank_seen = [0] * len(self.tokens)
+        for node in range(1, len(self.tokens)):
+            if not self.tags[node] & tag:
+                continue
+            parent = self.parents[node]
+            rank = rank_seen[parent]
+            rank_seen[parent] += 1
+            row = log_table[min(self.depths[node], len(log_table) - 1)]
+            score = self.scores[parent] + row[min(rank, len(row) - 1)]
+            if self.tags[node] == tag or score > self.scores[node]:
+                self.scores[node] = score
+
+    def best_first(self, nodes: int) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
+        """The best ``nodes`` nodes (fewer if the trie is smaller) packed as rows ``[root] + nodes``: tokens,
+        parent rows, depths, scores, tags. A frontier walk from the root (pop the best-scored node whose parent is
+        packed, ties in creation order), so the rows are prefix-closed and parents precede children whatever the
+        scores; where scores do not increase along paths the rows are the best-scored prefix-closed set."""
+        tok, par, dep, sco, tag = [self.tokens[0]], [-1], [0], [0.0], [SOURCE_NONE]
+        row_of = [0] * len(self.tokens)
+        heap = [(-self.scores[c], c) for c in self.children[0]]
+        heapq.heapify(heap)
+        while heap and len(tok) <= nodes:
+            _, node = heapq.heappop(heap)
+            row_of[node] = len(tok)
+            tok.append(self.tokens[node])
+            par.append(row_of[self.parents[node]])
+            dep.append(self.depths[node])
+            sco.append(self.scores[node])
+            tag.append(self.tags[node])
+            for c in self.children[node]:
+                heapq.heappush(heap, (-self.scores[c], c))
+        return tok, par, dep, sco, tag
+
+
+def pack_trees(packed: Sequence[tuple[list[int], list[int], list[int], list[float], list[int]]],
+               device: torch.device | str = "cpu") -> DraftTree:
+    """Per-request packed rows (``CandidateTrie.best_first``) as one batched ``DraftTree`` with ``sources`` set.
+
+    Requests with fewer rows than the widest are padded with rows that no source proposed (tag ``SOURCE_NONE``,
+    score -inf): a child of the root carrying the root's token. A padding row is a real candidate to the walk
+    (taken only when it is the target's own choice), so padding never changes what is committed."""
+    width = max(len(p[0]) for p in packed)
+    tokens, parents, depths, scores, tags = [], [], [], [], []
+    for tok, par, dep, sco, tag in packed:
+        pad = width - len(tok)
+        tokens.append(tok + [tok[0]] * pad)
+        parents.append(par + [0] * pad)
+        depths.append(dep + [1] * pad)
+        scores.append(sco + [float("-inf")] * pad)
+        tags.append(tag + [SOURCE_NONE] * pad)
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.long, device=device), torch.tensor(parents, dtype=torch.long, device=device),
+        torch.tensor(depths, dtype=torch.long, device=device), torch.tensor(scores, dtype=torch.float32, device=device),
+        torch.tensor(tags, dtype=torch.long, device=device),
+    )
+
+
+def _rows_per_request(rows: int | Sequence[int], bs: int) -> list[int]:
+    per = [int(rows)] * bs if isinstance(rows, int) else [int(r) for r in rows]
+    if len(per) != bs:
+        raise ValueError(f"rows: one budget per request expected ({bs}), got {len(per)}")
+    if any(r < 1 for r in per):
+        raise ValueError(f"rows must be >= 1 (the root), got {per}")
+    return per
+
+
+def merge_trees(trees: Sequence[DraftTree], rows: int | Sequence[int], max_depth: int | None = None) -> DraftTree:
+    """Several sources' candidate trees of one batch merged into one tree per request under one row budget.
+
+    ``trees``: DraftTrees of the same B requests (any number of rows each; the same root token per request), e.g.
+    the drafter's best-first tree and the n-gram source's tree. ``rows``: rows per request, root included (one int,
+    or one per request); ``max_depth``: nodes deeper are left out (None: no cap).
+
+    Per request, the trees' nodes are merged by token path (a path proposed by several trees is one branch; the
+    node carries the OR of their tags, e.g. ``SOURCE_BOTH``, and the best of their scores), then the best
+    ``rows - 1`` nodes are kept best-first (``CandidateTrie.best_first``). Scores must be comparable across
+    sources: log-probabilities that the walk reaches the node (the drafter's path log-probability; for n-gram
+    nodes ``SourceAcceptance`` estimates). Returns a DraftTree [B, W] with ``sources`` set, W the widest request's
+    kept rows (narrower requests padded, see ``pack_trees``), on the first tree's device. Since a merged tree is a
+    tree of candidate tokens like any other, ``verify_tree`` commits exactly what it commits for any tree: the
+    target's own choices (lossless).
+    """
+    if not trees:
+        raise ValueError("merge_trees needs at least one tree")
+    bs = trees[0].batch_size
+    if any(t.batch_size != bs for t in trees):
+        raise ValueError(f"trees of different batch sizes: {[t.batch_size for t in trees]}")
+    budgets = _rows_per_request(rows, bs)
+    lists = [(t.tokens.tolist(), t.parents.tolist(), t.scores.float().tolist(), t.source_tags().tolist())
+             for t in trees]
+    packed = []
+    for b in range(bs):
+        root = lists[0][0][b][0]
+        if any(tok[b][0] != root for tok, _, _, _ in lists):
+            raise ValueError(f"request {b}: the trees have different roots {[tok[b][0] for tok, _, _, _ in lists]}")
+        trie = CandidateTrie(root)
+        for tok, par, sco, tag in lists:
+            trie.add_tree(tok[b], par[b], sco[b], tag[b], max_depth)
+        packed.append(trie.best_first(budgets[b] - 1))
+    return pack_trees(packed, trees[0].tokens.device)
+
+
+def accepted_per_source(tree: DraftTree, accepted_rows: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Accepted drafted nodes per request that each source proposed: ``{SOURCE_DRAFTER: [B], SOURCE_NGRAM: [B]}``
+    (long, on the tree's device); a node proposed by both counts for both. ``accepted_rows``: the walk's
+    [B, D+1] accepted rows (-1 padding, ``WalkResult.accepted_rows``)."""
+    tags = tree.source_tags()
+    rows = accepted_rows.to(tags.device)
+    taken = torch.where(rows > 0, tags.gather(1, rows.clamp(min=0)), 0)  # the root (row 0) is not a draft
+    return {src: ((taken & src) != 0).sum(dim=1) for src in SOURCE_NAMES}
+
+
+class SourceAcceptance:
+    """Online estimates of how often the target takes a node of each source, per depth and per sibling rank.
+
+    Cell (source s, depth d, rank k): over the nodes tagged s at depth d whose parent the walk reached, with k
+    earlier siblings tagged s (ranks ``ranks - 1`` and above share the last cell), the share the walk took: the
+    conditional acceptance ``P(node taken | parent reached)``. Counts are decayed by ``decay`` per observed batch
+    and start from a prior worth ``prior_weight`` nodes at ``prior_mean[k]`` (the last entry for higher ranks).
+    A node's calibrated score is the sum of its path's log cells (``log_table`` and ``CandidateTrie.rescore``).
+    """
+
+    def __init__(self, max_depth: int = 16, ranks: int = 2, decay: float = 0.995,
+                 prior_mean: Sequence[float] = (0.5, 0.1), prior_weight: float = 2.0,
+                 sources: Sequence[int] = (SOURCE_DRAFTER, SOURCE_NGRAM)) -> None:
+        if max_depth < 1 or ranks < 1 or not 0.0 < decay <= 1.0 or prior_weight <= 0 or not prior_mean:
+            raise ValueError("SourceAcceptance: max_depth, ranks >= 1, 0 < decay <= 1, prior_weight > 0 required")
+        if any(not 0.0 < p < 1.0 for p in prior_mean):
+            raise ValueError(f"prior_mean entries must lie in (0, 1), got {list(prior_mean)}")
+        self.max_depth, self.ranks, self.decay = max_depth, ranks, decay
+        means = torch.tensor([prior_mean[min(k, len(prior_mean) - 1)] for k in range(ranks)], dtype=torch.float64)
+        self._prior_hits = (means * prior_weight).expand(max_depth + 1, ranks)
+        self._prior_tries = torch.full((max_depth + 1, ranks), float(prior_weight), dtype=torch.float64)
+        self.hits = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
+        self.tries = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
+
+    def probs(self, source: int) -> torch.Tensor:
+        """[max_depth + 1, ranks] float64 conditional acceptance of ``source`` (row 0 unused)."""
+        return (self.hits[source] + self._prior_hits) / (self.tries[source] + self._prior_tries)
+
+    def log_table(self, source: int) -> list[list[float]]:
+        """``probs(source)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore``."""
+        return self.probs(source).log().tolist()
+
+    def observe(self, tree: DraftTree, accepted_rows: torch.Tensor) -> None:
+        """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding)."""
+        tags = tree.source_tags().cpu()
+        parents, depths = tree.parents.cpu(), tree.depths.cpu()
+        bs, r = parents.shape
+        rows = accepted_rows.cpu()
+        on_path = torch.zeros(bs, r + 1, dtype=torch.bool)
+        on_path.scatter_(1, torch.where(rows >= 0, rows, r), True)
+        on_path = on_path[:, :r]
+        reached = on_path.gather(1, parents.clamp(min=0)) & (parents >= 0)
+        earlier = torch.ones(r, r, dtype=torch.bool).tril(-1)  # [i, j]: j < i
+        same_parent = (parents[:, :, None] == parents[:, None, :]) & earlier
+        cell = depths.clamp(max=self.max_depth) * self.ranks
+        for src in self.hits:
+            has = (tags & src) != 0
+            rank = (same_parent & has[:, None, :]).sum(-1).clamp(max=self.ranks - 1)
+            tried = has & reached
+            idx = (cell + rank)[tried]
+            n = (self.max_depth + 1) * self.ranks
+            self.tries[src].mul_(self.decay).view(-1).add_(torch.bincount(idx, minlength=n).double())
+            self.hits[src].mul_(self.decay).view(-1).add_(
+                torch.bincount((cell + rank)[tried & on_path], minlength=n).double())

@@ -1,4 +1,6 @@
-"""The budget tree: structure, optimality (brute force), pointers vs. mask."""
+"""The budget tree: structure, optimality (brute force), pointers vs. mask; source tags, merged trees (the union
+of the sources' paths, best-first under one budget), per-source acceptance, and the walk over merged trees
+(lossless: greedy and seeded sampling)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,25 @@ import random
 import pytest
 import torch
 
-from glance_sgl.tree import ancestor_mask, build_tree, chain_tree, max_tree_size, topk_per_offset, tree_pointers
+from glance_sgl.tree import (
+    SOURCE_BOTH,
+    SOURCE_DRAFTER,
+    SOURCE_NGRAM,
+    SOURCE_NONE,
+    CandidateTrie,
+    DraftTree,
+    SourceAcceptance,
+    accepted_per_source,
+    ancestor_mask,
+    build_tree,
+    chain_tree,
+    max_tree_size,
+    merge_trees,
+    pack_trees,
+    topk_per_offset,
+    tree_pointers,
+)
+from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
 
 def random_topk(bs: int, depth: int, k: int, vocab: int = 50, seed: int = 0):
@@ -127,3 +147,272 @@ def test_ancestor_mask_matches_walking_up_any_row_order(rows):
             j = parents[j]
         assert set(mask[0, i].nonzero().flatten().tolist()) == want
         assert set(mask[1, i].nonzero().flatten().tolist()) == set(range(i + 1))
+
+
+# ---------------------------------------------------------------------- candidate sources: tags, merge, walk
+
+def lookup_tree(contexts: list[list[int]], rows: int, acceptance: SourceAcceptance, depth: int = 6,
+                matches: int = 3) -> DraftTree:
+    """An n-gram-like candidate tree per request (a test fixture, not a source): the continuations of the most
+    recent earlier occurrences of the context's last token, tagged ``SOURCE_NGRAM`` and scored by ``acceptance``."""
+    packed = []
+    for ctx in contexts:
+        trie = CandidateTrie(ctx[-1])
+        starts = [i + 1 for i in range(len(ctx) - 2, -1, -1) if ctx[i] == ctx[-1]][:matches]
+        for s in starts:
+            node = 0
+            for tok in ctx[s: s + depth]:
+                node = trie.add(node, tok, 0.0, SOURCE_NGRAM)
+        trie.rescore(acceptance.log_table(SOURCE_NGRAM), SOURCE_NGRAM)
+        packed.append(trie.best_first(rows - 1))
+    return pack_trees(packed)
+
+
+def random_path_tree(rng: random.Random, roots: list[int], vocab: int, paths: int, depth: int,
+                     acceptance: SourceAcceptance) -> DraftTree:
+    """Random token paths per request under the given roots, tagged ``SOURCE_NGRAM``, rescored."""
+    packed = []
+    for root in roots:
+        trie = CandidateTrie(root)
+        for _ in range(paths):
+            node = 0
+            for _ in range(rng.randint(1, depth)):
+                node = trie.add(node, rng.randrange(vocab), 0.0, SOURCE_NGRAM)
+        trie.rescore(acceptance.log_table(SOURCE_NGRAM), SOURCE_NGRAM)
+        packed.append(trie.best_first(10_000))
+    return pack_trees(packed)
+
+
+def tree_paths(tree: DraftTree, b: int) -> dict[tuple[int, ...], tuple[float, int]]:
+    """Request b's nodes as token path -> (score, tag), padding rows left out."""
+    tok, par = tree.tokens[b].tolist(), tree.parents[b].tolist()
+    sco, tag = tree.scores[b].tolist(), tree.source_tags()[b].tolist()
+    path_of: list[tuple[int, ...]] = [()]
+    out = {}
+    for r in range(1, len(tok)):
+        path_of.append(path_of[par[r]] + (tok[r],))
+        if tag[r] != SOURCE_NONE:
+            out[path_of[r]] = (sco[r], tag[r])
+    return out
+
+
+def check_tree_invariants(tree: DraftTree) -> None:
+    for b in range(tree.batch_size):
+        par, dep, tok = tree.parents[b].tolist(), tree.depths[b].tolist(), tree.tokens[b].tolist()
+        tags = tree.source_tags()[b].tolist()
+        assert par[0] == -1 and dep[0] == 0 and tags[0] == SOURCE_NONE
+        seen = set()
+        for r in range(1, len(par)):
+            assert 0 <= par[r] < r, "parents come before children"
+            assert dep[r] == dep[par[r]] + 1
+            if tags[r] != SOURCE_NONE:
+                assert (par[r], tok[r]) not in seen, "merged siblings carry distinct tokens"
+                seen.add((par[r], tok[r]))
+                assert tags[par[r]] != SOURCE_NONE or par[r] == 0, "no real node under a padding row"
+
+
+def test_untagged_trees_are_the_drafters_and_prefix_keeps_tags():
+    values, ids = random_topk(2, 4, 3, seed=5)
+    tree = build_tree(values, ids, torch.tensor([3, 4]), budget=10)
+    assert tree.sources is None
+    tags = tree.source_tags()
+    assert tags[:, 0].tolist() == [SOURCE_NONE] * 2 and bool((tags[:, 1:] == SOURCE_DRAFTER).all())
+    assert tree.prefix(4).sources is None and tree.prefix(4).num_rows == 4
+    merged = merge_trees([tree], rows=11)
+    assert torch.equal(merged.tokens, tree.tokens) and torch.equal(merged.parents, tree.parents)
+    assert torch.equal(merged.scores, tree.scores) and torch.equal(merged.source_tags(), tags)
+    cut = merged.prefix(5)
+    assert cut.sources.shape == (2, 5) and torch.equal(cut.sources, merged.sources[:, :5])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_merge_is_the_best_prefix_closed_part_of_the_union(seed):
+    rng = random.Random(seed)
+    bs, vocab, depth = 3, 4, 5  # a small vocabulary: the sources share many prefixes
+    acc = SourceAcceptance(max_depth=depth)
+    values, ids = random_topk(bs, depth, 3, vocab=vocab, seed=seed)
+    roots = [rng.randrange(vocab) for _ in range(bs)]
+    drafter = build_tree(values, ids, torch.tensor(roots), budget=60)
+    ngram = random_path_tree(rng, roots, vocab, paths=12, depth=depth, acceptance=acc)
+    full = merge_trees([drafter, ngram], rows=10_000)
+    check_tree_invariants(full)
+    both = 0
+    for b in range(bs):
+        d, n, m = tree_paths(drafter, b), tree_paths(ngram, b), tree_paths(full, b)
+        assert set(m) == set(d) | set(n), "the full merge is the union of the paths"
+        for path, (score, tag) in m.items():
+            want_tag = (SOURCE_DRAFTER if path in d else 0) | (SOURCE_NGRAM if path in n else 0)
+            assert tag == want_tag
+            assert score == pytest.approx(max(s[0] for s in (d.get(path), n.get(path)) if s is not None))
+            both += tag == SOURCE_BOTH
+    assert both > 0, "the sources share prefixes here"
+    for rows in (1, 2, 7, 20):
+        part = merge_trees([drafter, ngram], rows=rows)
+        check_tree_invariants(part)
+        assert part.num_rows == rows
+        assert torch.equal(part.tokens, full.prefix(rows).tokens), "a merged tree's prefix is the smaller merge"
+        assert torch.equal(part.sources, full.prefix(rows).sources)
+        for b in range(bs):
+            kept, union = tree_paths(part, b), tree_paths(full, b)
+            sco = part.scores[b, 1:].tolist()
+            assert all(a >= c - 1e-6 for a, c in zip(sco, sco[1:])), "best-first"
+            if kept:
+                left = [s for p, (s, _) in union.items() if p not in kept]
+                assert not left or max(left) <= min(s for s, _ in kept.values()) + 1e-6
+
+
+def test_merge_pads_per_request_budgets_and_caps_depth():
+    values, ids = random_topk(3, 6, 2, seed=9)
+    roots = torch.tensor([1, 2, 3])
+    drafter = build_tree(values, ids, roots, budget=40)
+    merged = merge_trees([drafter], rows=[1, 5, 12])
+    assert merged.num_rows == 12
+    tags, scores = merged.source_tags(), merged.scores
+    assert tags[0, 1:].tolist() == [SOURCE_NONE] * 11 and bool(torch.isinf(scores[0, 1:]).all())
+    assert merged.tokens[0].tolist() == [1] * 12 and merged.parents[0, 1:].tolist() == [0] * 11
+    assert merged.depths[0, 1:].tolist() == [1] * 11
+    assert tags[1, 5:].tolist() == [SOURCE_NONE] * 7 and bool((tags[1, 1:5] == SOURCE_DRAFTER).all())
+    assert bool((tags[2, 1:] == SOURCE_DRAFTER).all())
+    check_tree_invariants(merged)
+    capped = merge_trees([drafter], rows=41, max_depth=2)
+    assert int(capped.depths.max()) <= 2
+    assert merge_trees([drafter], rows=1).num_rows == 1
+    with pytest.raises(ValueError):
+        merge_trees([drafter, build_tree(values, ids, roots + 1, budget=4)], rows=8)
+    with pytest.raises(ValueError):
+        merge_trees([drafter], rows=0)
+    with pytest.raises(ValueError):
+        merge_trees([drafter], rows=[3, 3])
+    with pytest.raises(ValueError):
+        merge_trees([], rows=3)
+
+
+def test_acceptance_learns_per_source_depth_and_rank():
+    # root 9; row 1 (drafter, d1) -> row 3 (both, d2); row 2 (ngram, d1, rank 0) -> row 4 (ngram, d2); row 5
+    # (ngram, d1, rank 1). The walk takes rows 1 and 3.
+    tree = DraftTree(torch.tensor([[9, 1, 2, 3, 4, 5]]), torch.tensor([[-1, 0, 0, 1, 2, 0]]),
+                     torch.tensor([[0, 1, 1, 2, 2, 1]]), torch.zeros(1, 6),
+                     torch.tensor([[SOURCE_NONE, SOURCE_DRAFTER, SOURCE_NGRAM, SOURCE_BOTH, SOURCE_NGRAM,
+                                    SOURCE_NGRAM]]))
+    walk = torch.tensor([[0, 1, 3]])
+    acc = SourceAcceptance(max_depth=3, ranks=2, decay=1.0)
+    acc.observe(tree, walk)
+    assert acc.tries[SOURCE_DRAFTER][1].tolist() == [1, 0] and acc.hits[SOURCE_DRAFTER][1].tolist() == [1, 0]
+    assert acc.tries[SOURCE_DRAFTER][2].tolist() == [1, 0] and acc.hits[SOURCE_DRAFTER][2].tolist() == [1, 0]
+    assert acc.tries[SOURCE_NGRAM][1].tolist() == [1, 1] and acc.hits[SOURCE_NGRAM][1].tolist() == [0, 0]
+    # row 3 (both) was reached (its parent, row 1, is on the path); row 4's parent (row 2) was not
+    assert acc.tries[SOURCE_NGRAM][2].tolist() == [1, 0] and acc.hits[SOURCE_NGRAM][2].tolist() == [1, 0]
+    assert acc.probs(SOURCE_DRAFTER)[1, 0] > acc.probs(SOURCE_NGRAM)[1, 0]
+    counts = accepted_per_source(tree, walk)
+    assert counts[SOURCE_DRAFTER].tolist() == [2] and counts[SOURCE_NGRAM].tolist() == [1]
+    with pytest.raises(ValueError):
+        SourceAcceptance(prior_mean=(1.5,))
+
+
+class TableTarget:
+    """A deterministic toy target for the walk: next-token logits [V] from the context's last two tokens (a fixed
+    random trigram table times ``sharpness``: a sharp table repeats itself, so n-gram candidates get taken)."""
+
+    def __init__(self, vocab: int = 8, seed: int = 0, sharpness: float = 3.0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self.table = torch.randn(vocab, vocab, vocab, generator=g) * sharpness
+
+    def logits(self, context: list[int]) -> torch.Tensor:
+        return self.table[context[-2], context[-1]]
+
+    def tree_logits(self, contexts: list[list[int]], tree: DraftTree) -> torch.Tensor:
+        """[B, R, V]: each row's logits given the context then the row's path (the root is the context's end)."""
+        out = torch.empty(tree.batch_size, tree.num_rows, self.vocab)
+        for b, ctx in enumerate(contexts):
+            paths: list[list[int]] = [[]]
+            for r, (tok, par) in enumerate(zip(tree.tokens[b].tolist(), tree.parents[b].tolist())):
+                if r:
+                    paths.append(paths[par] + [tok])
+                out[b, r] = self.logits(ctx + paths[r])
+        return out
+
+    def greedy_chain(self, context: list[int], n: int) -> list[int]:
+        ctx = list(context)
+        for _ in range(n):
+            ctx.append(int(self.logits(ctx).argmax()))
+        return ctx[len(context):]
+
+
+def ar_decode(target: TableTarget, prompt: list[int], spec: SamplingSpec, n: int) -> list[int]:
+    """The target's own output: one choice per step (greedy, or the seeded sample of output index i)."""
+    ctx, out = list(prompt), []
+    while len(out) < n:
+        logits = target.logits(ctx)[None, None]
+        tok = int(target_choices(logits, torch.zeros(1, 1, dtype=torch.long), torch.tensor([len(out)]), [spec])[0, 0])
+        out.append(tok)
+        ctx.append(tok)
+    return out
+
+
+def noisy_drafter_tree(target: TableTarget, contexts: list[list[int]], rng: random.Random, depth: int = 5,
+                       k: int = 2, budget: int = 12, hit: float = 0.6) -> DraftTree:
+    """A drafter-like best-first tree: per-offset logits that favour the target's greedy chain with chance
+    ``hit`` per offset (random otherwise)."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    logits = torch.randn(len(contexts), depth, target.vocab, generator=g)
+    for b, ctx in enumerate(contexts):
+        for d, tok in enumerate(target.greedy_chain(ctx, depth)):
+            if rng.random() < hit:
+                logits[b, d, tok] += 4.0
+    values, ids = topk_per_offset(torch.log_softmax(logits, -1), k)
+    return build_tree(values, ids, torch.tensor([c[-1] for c in contexts]), budget)
+
+
+def speculative_decode(target: TableTarget, prompts: list[list[int]], specs: list[SamplingSpec], n: int,
+                       propose, rng: random.Random, acceptance: SourceAcceptance | None = None,
+                       on_round=None) -> tuple[list[list[int]], dict[int, int]]:
+    """Rounds of merged trees (``propose(contexts, outputs) -> [DraftTree, ...]``, random row budgets, AR rounds
+    among them) verified by ``verify_tree``; returns each request's first ``n`` committed tokens and the accepted
+    nodes per source tag."""
+    ctxs, outs = [list(p) for p in prompts], [[] for _ in prompts]
+    accepted = {SOURCE_DRAFTER: 0, SOURCE_NGRAM: 0, SOURCE_BOTH: 0}
+    while min(len(o) for o in outs) < n:
+        trees = propose(ctxs, outs)
+        rows = [rng.choice([1, 2, 3, 6, 10, 17, 33]) for _ in prompts]
+        merged = merge_trees(trees, rows)
+        check_tree_invariants(merged)
+        logits = target.tree_logits(ctxs, merged)
+        walk = verify_tree(merged.tokens, merged.parents, merged.depths, logits,
+                           torch.tensor([len(o) for o in outs]), specs)
+        tags = merged.source_tags()
+        for b, row in enumerate(walk.accepted_rows.tolist()):
+            for r in row[1:]:
+                if r > 0:
+                    accepted[int(tags[b, r])] = accepted.get(int(tags[b, r]), 0) + 1
+        if acceptance is not None:
+            acceptance.observe(merged, walk.accepted_rows)
+        for b, toks in enumerate(walk.committed()):
+            outs[b] += toks
+            ctxs[b] += toks
+        if on_round is not None:
+            on_round(merged, walk)
+    return [o[:n] for o in outs], accepted
+
+
+SPECS = [SamplingSpec(), SamplingSpec(temperature=0.8, seed=11), SamplingSpec(temperature=1.0, top_p=0.9, seed=-3),
+         SamplingSpec(), SamplingSpec(temperature=0.6, seed=2**40 + 5)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_merged_trees_are_lossless(seed):
+    """Random merged trees (drafter-like + n-gram-like candidates, random budgets, AR rounds among them) commit
+    exactly the target's greedy output and its seeded samples, token for token."""
+    rng = random.Random(seed)
+    target = TableTarget(vocab=8, seed=seed, sharpness=3.0)
+    prompts = [[rng.randrange(8) for _ in range(rng.randint(3, 12))] for _ in SPECS]
+    acc = SourceAcceptance(max_depth=6)
+
+    def propose(ctxs, _outs):
+        return [noisy_drafter_tree(target, ctxs, rng), lookup_tree(ctxs, 24, acc)]
+
+    n = 40
+    got, accepted = speculative_decode(target, prompts, SPECS, n, propose, rng, acceptance=acc)
+    for prompt, spec, out in zip(prompts, SPECS, got):
+        assert out == ar_decode(target, prompt, spec, n)
+    assert accepted[SOURCE_NGRAM] + accepted[SOURCE_BOTH] > 0 and accepted[SOURCE_DRAFTER] > 0
