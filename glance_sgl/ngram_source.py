@@ -1,0 +1,429 @@
+"""N-gram candidates: a source of draft trees that needs no drafter pass (issue 27, docs/method.md "Sources").
+
+Built on SGLang's own ``NgramCorpus`` (``sglang.srt.speculative.cpp_ngram.ngram_corpus``: the C++ trie and suffix
+matcher behind SGLang's NGRAM, JIT-built through tvm_ffi on first use). A request's candidates come from two
+corpora, both matched on the request's last ``max_trie_depth`` tokens:
+
+- its own corpus: its prompt tokens and its committed output (one small trie per request, reused from a pool);
+- a cross-request corpus of recent answers (the committed outputs of finished requests, never their prompts),
+  scoped by ``NgramSettings.scope``: ``shared`` (one corpus for every request), ``per-key`` (one per API key /
+  tenant, the least recently used dropped beyond ``max_keys``) or ``off`` (none: a request matches its own
+  tokens only).
+
+Every corpus is a trie of at most a fixed number of nodes (``corpus_capacity`` / ``request_capacity``; SGLang
+preallocates them and evicts the least recently used leaves when full), so memory is bounded whatever the
+traffic: ``NgramSource.memory_bound_nodes``. A proposal is a ``DraftTree`` whose nodes are all tagged
+``SOURCE_NGRAM``, scored by a ``SourceAcceptance`` table (per depth and sibling rank: the corpus gives no
+probabilities), ready for ``glance_sgl.tree.merge_trees`` with the drafter's tree.
+
+SGLang is imported lazily and is optional: where it is not importable (or the JIT build fails) the source is
+unavailable (``available`` False, ``reason`` says why) and proposes root-only trees; nothing raises.
+
+Not thread-safe: one engine thread (or the SGLang scheduler) drives a source.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from .tree import SOURCE_NGRAM, CandidateTrie, DraftTree, SourceAcceptance, _rows_per_request, pack_trees
+
+log = logging.getLogger(__name__)
+
+SCOPES = ("shared", "per-key", "off")
+MATCH_TYPES = ("BFS", "PROB")
+_ANON_KEY = ""  # per-key scope: requests without a key share this tenant's corpus
+
+_IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
+
+
+def ngram_corpus_class() -> tuple[Any, str | None]:
+    """SGLang's ``NgramCorpus`` class, imported on first call: ``(cls, None)``, or ``(None, reason)`` where
+    SGLang is not importable. The result is cached for the process."""
+    global _IMPORT
+    if _IMPORT is None:
+        try:
+            from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+            _IMPORT = (NgramCorpus, None)
+        except Exception as exc:  # ImportError, or anything SGLang's import raises on this machine
+            _IMPORT = (None, f"n-gram source unavailable: SGLang's NgramCorpus "
+                             f"(sglang.srt.speculative.cpp_ngram) could not be imported ({type(exc).__name__}: {exc})")
+    return _IMPORT
+
+
+@dataclass
+class NgramSettings:
+    """Settings of the n-gram source (``validate()`` before use; ``NgramSource`` calls it).
+
+    scope:            ``shared`` | ``per-key`` | ``off``: which finished answers a request matches besides its own
+                      tokens (see the module doc; ``per-key`` isolates tenants, ``off`` shares nothing)
+    max_trie_depth:   longest n-gram stored, in tokens (match length + continuation; SGLang's default 18)
+    max_nodes:        candidates per corpus lookup (SGLang's ``draft_token_num - 1``); a proposal merges the own and
+                      the cross-request lookups and keeps at most the rows asked for
+    max_depth:        deepest candidate kept (the walk's depth cap: keep it at the drafter's block size - 1)
+    min_bfs_breadth / max_bfs_breadth / match_type: SGLang's NgramCorpus matching (BFS: most recent
+                      continuations first, wider for shorter matches; PROB: most frequent first)
+    corpus_capacity:  trie nodes of one cross-request corpus (SGLang preallocates them: ~180 bytes each, plus the
+                      per-node child maps as they fill)
+    request_capacity: trie nodes of one request's own corpus (prompt + output; the oldest evicted when full)
+    max_keys:         ``per-key``: tenant corpora kept, the least recently used dropped beyond it
+    max_pooled:       finished requests' own corpora kept for reuse (each holds ``request_capacity`` nodes and
+                      one idle SGLang insert thread)
+    max_answer_tokens: tokens of a finished answer published to the cross-request corpus (its first ones)
+    skip_tokens:      token ids never matched in prompts (e.g. the image placeholder): the prompt is split there
+    """
+
+    scope: str = "shared"
+    max_trie_depth: int = 18
+    max_nodes: int = 15
+    max_depth: int = 15
+    min_bfs_breadth: int = 1
+    max_bfs_breadth: int = 8
+    match_type: str = "BFS"
+    corpus_capacity: int = 200_000
+    request_capacity: int = 16_384
+    max_keys: int = 32
+    max_pooled: int = 8
+    max_answer_tokens: int = 4096
+    skip_tokens: tuple[int, ...] = field(default_factory=tuple)
+
+    def validate(self) -> "NgramSettings":
+        """Raises ValueError naming the first bad field; returns self."""
+        if self.scope not in SCOPES:
+            raise ValueError(f"ngram scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+        if self.match_type not in MATCH_TYPES:
+            raise ValueError(f"ngram match_type must be one of {', '.join(MATCH_TYPES)}, got {self.match_type!r}")
+        if not 2 <= self.max_trie_depth <= 64:
+            raise ValueError(f"ngram max_trie_depth must be in [2, 64], got {self.max_trie_depth}")
+        if not 1 <= self.max_nodes <= 255:
+            raise ValueError(f"ngram max_nodes must be in [1, 255], got {self.max_nodes}")
+        if not 1 <= self.max_depth <= 255:
+            raise ValueError(f"ngram max_depth must be in [1, 255], got {self.max_depth}")
+        if not 1 <= self.min_bfs_breadth <= self.max_bfs_breadth:
+            raise ValueError(f"ngram bfs breadths need 1 <= min <= max, got {self.min_bfs_breadth}, "
+                             f"{self.max_bfs_breadth}")
+        floor = 4 * self.max_trie_depth
+        for name in ("corpus_capacity", "request_capacity"):
+            value = getattr(self, name)
+            if not floor <= value <= 100_000_000:
+                raise ValueError(f"ngram {name} must be in [{floor}, 1e8] trie nodes, got {value}")
+        if self.max_keys < 1:
+            raise ValueError(f"ngram max_keys must be >= 1, got {self.max_keys}")
+        if self.max_pooled < 0:
+            raise ValueError(f"ngram max_pooled must be >= 0, got {self.max_pooled}")
+        if self.max_answer_tokens < 0:
+            raise ValueError(f"ngram max_answer_tokens must be >= 0, got {self.max_answer_tokens}")
+        self.skip_tokens = tuple(int(t) for t in self.skip_tokens)
+        return self
+
+
+@dataclass
+class _Request:
+    own: Any  # NgramCorpus over the request's prompt and output
+    key: str
+    tail: list[int]  # the last max_trie_depth tokens (prompt then output); tail[-1] is the root of a proposal
+    total: int  # tokens so far (prompt + output)
+    answer: list[int] = field(default_factory=list)  # committed output, up to max_answer_tokens
+
+
+class NgramSource:
+    """Candidate trees from n-gram matches (module doc). Lifecycle per request: ``add_request`` (prompt),
+    ``commit`` after every round (and for the prefill's first token), ``propose`` before a round, ``finish``.
+
+    Example::
+
+        src = NgramSource(NgramSettings(scope="per-key"))
+        if src.available:
+            src.add_request("r1", prompt_ids, key="tenant-a")
+            src.commit("r1", [first_token])
+            tree = src.propose(["r1"], rows=16, acceptance=table)   # DraftTree [1, <=16], tags SOURCE_NGRAM
+            merged = merge_trees([drafter_tree, tree], rows=16)
+            ...
+            src.commit("r1", committed_tokens)
+            src.finish("r1")                                        # its answer joins tenant-a's corpus
+    """
+
+    tag = SOURCE_NGRAM
+    name = "ngram"
+
+    def __init__(self, settings: NgramSettings | None = None) -> None:
+        self.settings = (settings or NgramSettings()).validate()
+        self._cls, self.reason = ngram_corpus_class()
+        self._requests: dict[Hashable, _Request] = {}
+        self._pool: list[Any] = []
+        self._corpora: OrderedDict[str, Any] = OrderedDict()  # cross-request corpora by key (shared: one, "")
+        self._default_acceptance = SourceAcceptance(max_depth=self.settings.max_depth)
+        self.published_tokens = 0
+        if self._cls is not None:
+            try:  # the first NgramCorpus JIT-builds SGLang's C++ (tens of seconds once, cached on disk)
+                self._pool.append(self._new_corpus(self.settings.request_capacity))
+            except Exception as exc:
+                self._cls = None
+                self.reason = (f"n-gram source unavailable: SGLang's NgramCorpus failed to build "
+                               f"({type(exc).__name__}: {exc})")
+        if self._cls is None:
+            log.warning("%s", self.reason)
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def available(self) -> bool:
+        """Whether SGLang's NgramCorpus loaded; if not, ``reason`` says why and proposals are root-only."""
+        return self._cls is not None
+
+    def memory_bound_nodes(self, active_requests: int) -> int:
+        """Trie nodes this source can hold with ``active_requests`` requests in flight: the cross-request
+        corpora (one, ``max_keys`` or none) plus the active and pooled own corpora. Memory is about 180 bytes
+        per node plus the child maps of filled nodes."""
+        s = self.settings
+        cross = {"shared": 1, "per-key": s.max_keys, "off": 0}[s.scope] * s.corpus_capacity
+        return cross + (active_requests + s.max_pooled) * s.request_capacity
+
+    def stats(self) -> dict[str, int | bool | str]:
+        """Counters for reports: requests in flight, pooled own corpora, cross-request corpora, published tokens."""
+        return {"available": self.available, "scope": self.settings.scope, "requests": len(self._requests),
+                "pooled": len(self._pool), "corpora": len(self._corpora), "published_tokens": self.published_tokens}
+
+    def _new_corpus(self, capacity: int) -> Any:
+        s = self.settings
+        return self._cls(max_trie_depth=s.max_trie_depth, min_bfs_breadth=s.min_bfs_breadth,
+                         max_bfs_breadth=s.max_bfs_breadth, draft_token_num=s.max_nodes + 1, match_type=s.match_type,
+                         capacity=capacity)
+
+    def _cross(self, key: str, create: bool) -> Any | None:
+        """The cross-request corpus of ``key`` (most recently used first out of eviction), or None."""
+        if self.settings.scope == "off":
+            return None
+        corpus = self._corpora.get(key)
+        if corpus is not None:
+            self._corpora.move_to_end(key)
+            return corpus
+        if not create:
+            return None
+        corpus = self._corpora[key] = self._new_corpus(self.settings.corpus_capacity)
+        while len(self._corpora) > (1 if self.settings.scope == "shared" else self.settings.max_keys):
+            self._corpora.popitem(last=False)  # the least recently used tenant's answers go
+        return corpus
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def add_request(self, rid: Hashable, prompt: Sequence[int], key: str | None = None) -> None:
+        """Start ``rid`` with its prompt token ids (image placeholders included; ``skip_tokens`` are not matched).
+        ``key``: the API key / tenant (``per-key`` scope; None shares the anonymous tenant's corpus)."""
+        if rid in self._requests:
+            raise ValueError(f"ngram source: request {rid!r} already added")
+        if not self.available:
+            return
+        s = self.settings
+        own = self._pool.pop() if self._pool else self._new_corpus(s.request_capacity)
+        prompt = [int(t) for t in prompt]
+        skip = set(s.skip_tokens)
+        segments, cur = [], []
+        for t in prompt:
+            if t in skip:
+                if len(cur) > 1:
+                    segments.append(cur)
+                cur = []
+            else:
+                cur.append(t)
+        if len(cur) > 1:
+            segments.append(cur)
+        if segments:
+            own.batch_put(segments)
+        scope_key = _ANON_KEY if s.scope == "shared" or key is None else str(key)
+        self._requests[rid] = _Request(own, scope_key, prompt[-s.max_trie_depth:], len(prompt))
+
+    def commit(self, rid: Hashable, tokens: Sequence[int]) -> None:
+        """Tokens committed for ``rid`` (in output order: the prefill's first token, then each round's)."""
+        req = self._requests.get(rid)
+        if req is None or not tokens:
+            return
+        s = self.settings
+        tokens = [int(t) for t in tokens]
+        # every n-gram that ends in a new token starts at most max_trie_depth - 1 tokens before it
+        window = req.tail[-(s.max_trie_depth - 1):] + tokens
+        req.own.batch_put([window])
+        req.tail = window[-s.max_trie_depth:]
+        req.total += len(tokens)
+        room = s.max_answer_tokens - len(req.answer)
+        if room > 0:
+            req.answer.extend(tokens[:room])
+
+    def finish(self, rid: Hashable, publish: bool = True) -> None:
+        """``rid`` is done: its answer joins its cross-request corpus (``publish``; not with scope ``off``) and
+        its own corpus is reset for reuse."""
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return
+        if publish and len(req.answer) > 1:
+            corpus = self._cross(req.key, create=True)
+            if corpus is not None:
+                corpus.batch_put([req.answer])
+                self.published_tokens += len(req.answer)
+        corpus = self._cross(req.key, create=False)
+        if corpus is not None:
+            corpus.erase_match_state([str(rid)])
+        if len(self._pool) < self.settings.max_pooled:
+            req.own.synchronize()
+            req.own.reset()
+            self._pool.append(req.own)
+
+    def close(self) -> None:
+        """Drop every corpus (their SGLang insert threads end)."""
+        self._requests.clear()
+        self._pool.clear()
+        self._corpora.clear()
+
+    # ------------------------------------------------------------------------------------------ proposing
+    def root(self, rid: Hashable) -> int:
+        """The token a proposal for ``rid`` starts from: its last token (the last committed one)."""
+        return self._requests[rid].tail[-1]
+
+    def propose(self, rids: Sequence[Hashable], rows: int | Sequence[int],
+                acceptance: SourceAcceptance | None = None, roots: Sequence[int] | None = None,
+                device: torch.device | str = "cpu", strict: bool = True) -> DraftTree:
+        """N-gram candidate trees for the requests ``rids`` (in batch order).
+
+        ``rows``: rows per request, root included (one int or one per request; at most ``2 * max_nodes + 1`` are
+        ever filled). ``acceptance``: the calibration that scores the nodes (``SourceAcceptance``; its
+        ``SOURCE_NGRAM`` cells), else the source's own prior table. ``roots``: the requests' last committed
+        tokens, checked against what the source was told (None: taken from it; a mismatch raises, or with
+        ``strict=False`` gives that request the root alone). Returns a DraftTree [B, W]
+        (W <= max(rows)) tagged ``SOURCE_NGRAM`` with scores = estimated log-probability that the walk reaches
+        the node, best-first; requests with no match (or an unavailable source, or a request not added) get the
+        root alone, padded (``pack_trees``).
+        """
+        budgets = _rows_per_request(rows, len(rids))
+        known = [rid in self._requests for rid in rids]
+        if roots is None:
+            if not all(known):
+                missing = [rid for rid, k in zip(rids, known) if not k]
+                raise ValueError(f"ngram source: requests not added and no roots given: {missing}")
+            roots = [self.root(rid) for rid in rids]
+        roots = [int(r) for r in roots]
+        for b, (rid, root) in enumerate(zip(rids, roots)):
+            if known[b] and self.root(rid) != root:
+                if strict:
+                    raise ValueError(f"ngram source: request {rid!r} ends in token {self.root(rid)}, the round's "
+                                     f"root is {root}: commit() every committed token")
+                known[b] = False
+        tries = [CandidateTrie(root) for root in roots]
+        live = [b for b, k in enumerate(known) if k and budgets[b] > 1 and self.available]
+        if live:
+            self._lookup(rids, live, tries)
+        table = (acceptance or self._default_acceptance).log_table(SOURCE_NGRAM)
+        packed = []
+        for b, trie in enumerate(tries):
+            if len(trie) > 1:
+                trie.rescore(table, SOURCE_NGRAM)
+            packed.append(trie.best_first(budgets[b] - 1))
+        return pack_trees(packed, device)
+
+    def _lookup(self, rids: Sequence[Hashable], live: list[int], tries: list[CandidateTrie]) -> None:
+        """Own-corpus and cross-request matches of the requests ``live`` (batch indices) into their tries."""
+        s = self.settings
+        reqs = [self._requests[rids[b]] for b in live]
+        for b, req in zip(live, reqs):
+            req.own.synchronize()
+            ids, mask = req.own.batch_get([str(rids[b])], [req.tail], [req.total])
+            self._add_matches(tries[b], ids, mask)
+        by_key: dict[str, list[int]] = {}
+        for i, req in enumerate(reqs):
+            by_key.setdefault(req.key, []).append(i)
+        for key, members in by_key.items():
+            corpus = self._cross(key, create=False)
+            if corpus is None:
+                continue
+            corpus.synchronize()
+            ids, mask = corpus.batch_get([str(rids[live[i]]) for i in members], [reqs[i].tail for i in members],
+                                         [reqs[i].total for i in members])
+            d = s.max_nodes + 1
+            for j, i in enumerate(members):
+                self._add_matches(tries[live[i]], ids[j * d:(j + 1) * d], mask[j * d * d:(j + 1) * d * d])
+
+    def _add_matches(self, trie: CandidateTrie, ids: np.ndarray, mask: np.ndarray) -> None:
+        """One lookup's packed tree (SGLang's ``[d]`` tokens, root first, and ``[d * d]`` ancestor mask, padded
+        with token-0 children of the root) into ``trie``."""
+        d = len(ids)
+        m = mask.reshape(d, d).astype(bool)
+        order = np.arange(d)
+        ancestors = m & (order[None, :] < order[:, None])
+        parents = np.where(ancestors.any(-1), (ancestors * order[None, :]).argmax(-1), -1).tolist()
+        depths = (m.sum(-1) - 1).tolist()
+        tokens = ids.tolist()
+        n = d
+        while n > 1 and depths[n - 1] == 1 and tokens[n - 1] == 0:  # SGLang's padding (a real token 0 at the
+            n -= 1  # tail, childless at depth 1, is dropped with it: one candidate less, nothing wrong)
+        if n <= 1:
+            return
+        trie.add_tree(tokens[:n], parents[:n], [0.0] * n, [SOURCE_NGRAM] * n, self.settings.max_depth)
+
+
+class NgramCandidates:
+    """``NgramSource`` as a candidate source of the one round (``glance_sgl.round.CandidateSource``):
+    ``propose(batch, rows)`` / ``commit(batch, taps, walk)`` on a round batch (read by duck typing: ``rids``,
+    ``roots`` [bs] long, ``tokens``: each request's tokens so far, prompt + output), ``finish(rid)`` when a request
+    ends (its answer joins the cross-request corpus).
+
+    A request the source has not seen is added from ``batch.tokens`` (all of them as its own corpus) with the key
+    ``keys.get(rid)`` (``set_key``); without ``batch.tokens`` it gets root-only proposals. A request whose last
+    token is not the batch's root (the engine dropped tokens at a stop) is re-added from ``batch.tokens``.
+    ``acceptance`` scores the nodes (default: the source's prior); the round should ``observe`` it.
+    """
+
+    source_id = SOURCE_NGRAM
+
+    def __init__(self, source: NgramSource, acceptance: SourceAcceptance | None = None) -> None:
+        self.source = source
+        self.acceptance = acceptance
+        self.keys: dict[Hashable, str] = {}
+
+    def set_key(self, rid: Hashable, key: str | None) -> None:
+        """The API key / tenant of ``rid`` (``per-key`` scope), before its first round."""
+        if key is not None:
+            self.keys[rid] = key
+
+    def _sync(self, batch: Any) -> None:
+        src = self.source
+        roots = batch.roots.tolist()
+        tokens = getattr(batch, "tokens", None)
+        for b, rid in enumerate(batch.rids):
+            known = rid in src._requests
+            if known and src.root(rid) == roots[b]:
+                continue
+            if tokens is None or not tokens[b] or int(tokens[b][-1]) != roots[b]:
+                continue
+            answer: list[int] = []
+            if known:  # keep what it had answered, less the tokens the engine dropped
+                old = src._requests[rid]
+                keep = len(old.answer) - (old.total - len(tokens[b]))
+                answer = old.answer[:keep] if keep > 0 else []
+                src.finish(rid, publish=False)
+            src.add_request(rid, tokens[b], self.keys.get(rid))
+            src._requests[rid].answer = answer
+
+    def propose(self, batch: Any, rows: int) -> DraftTree:
+        """Candidate trees [bs, <= rows] tagged ``SOURCE_NGRAM`` on ``batch.roots``' device."""
+        if self.source.available:
+            self._sync(batch)
+        return self.source.propose(batch.rids, rows, self.acceptance, roots=batch.roots.tolist(),
+                                   device=batch.roots.device, strict=False)
+
+    def commit(self, batch: Any, taps: torch.Tensor, walk: Any) -> None:
+        """Feeds each request's committed tokens (``walk.committed()``) to its own corpus (``taps`` unused)."""
+        if not self.source.available:
+            return
+        self._sync(batch)
+        roots = batch.roots.tolist()
+        for b, (rid, tokens) in enumerate(zip(batch.rids, walk.committed())):
+            if rid in self.source._requests and self.source.root(rid) == roots[b]:
+                self.source.commit(rid, tokens)
+
+    def finish(self, rid: Hashable, publish: bool = True) -> None:
+        """``rid`` ended: see ``NgramSource.finish``."""
+        self.keys.pop(rid, None)
+        self.source.finish(rid, publish)

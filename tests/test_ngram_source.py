@@ -1,0 +1,235 @@
+"""The n-gram candidate source over SGLang's real NgramCorpus: settings, matches over the request's prompt and
+output, the cross-request corpus and its scopes, bounded memory (eviction), the source unavailable without
+SGLang, the round adapter, and lossless decoding with its candidates merged into the drafter's trees."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource, ngram_corpus_class
+from glance_sgl.tree import (
+    SOURCE_DRAFTER,
+    SOURCE_NGRAM,
+    SOURCE_NONE,
+    CandidateTrie,
+    SourceAcceptance,
+    merge_trees,
+    pack_trees,
+)
+from glance_sgl.verify import WalkResult
+from test_tree import (
+    SPECS,
+    TableTarget,
+    ar_decode,
+    check_tree_invariants,
+    noisy_drafter_tree,
+    speculative_decode,
+    tree_paths,
+)
+
+if ngram_corpus_class()[0] is None:  # the project's venv has SGLang; the subprocess test covers its absence
+    pytest.skip(ngram_corpus_class()[1], allow_module_level=True)
+
+
+def small(**kw) -> NgramSettings:
+    base = dict(max_trie_depth=8, max_nodes=7, max_depth=6, corpus_capacity=4096, request_capacity=1024)
+    base.update(kw)
+    return NgramSettings(**base)
+
+
+def paths_of(tree, b: int = 0) -> set[tuple[int, ...]]:
+    return set(tree_paths(tree, b))
+
+
+def test_settings_are_validated():
+    assert NgramSettings().validate().scope == "shared"
+    for bad in (dict(scope="tenant"), dict(match_type="DFS"), dict(max_trie_depth=1), dict(max_nodes=0),
+                dict(max_depth=0), dict(min_bfs_breadth=3, max_bfs_breadth=2), dict(corpus_capacity=10),
+                dict(request_capacity=10**9), dict(max_keys=0), dict(max_pooled=-1), dict(max_answer_tokens=-1)):
+        with pytest.raises(ValueError):
+            NgramSettings(**bad).validate()
+        with pytest.raises(ValueError):
+            NgramSource(NgramSettings(**bad))
+
+
+def test_unavailable_without_sglang_says_so_and_proposes_nothing():
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"  # makes `import sglang` fail, as where it is not installed
+        "from glance_sgl.ngram_source import NgramSource\n"
+        "src = NgramSource()\n"
+        "assert not src.available, 'available without sglang'\n"
+        "src.add_request('r', [1, 2, 3]); src.commit('r', [4]); src.finish('r')\n"
+        "tree = src.propose(['a', 'b'], 8, roots=[5, 6])\n"
+        "assert tree.tokens.tolist() == [[5], [6]], tree\n"
+        "print(src.reason)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "n-gram source unavailable" in res.stdout and "sglang" in res.stdout.lower()
+
+
+def test_matches_the_prompt_and_the_output():
+    src = NgramSource(small(scope="off"))
+    prompt = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 70, 71]
+    src.add_request("r", prompt)
+    src.commit("r", [52])  # the answer starts quoting the prompt: 52 -> 53 54 55 ...
+    tree = src.propose(["r"], rows=16)
+    check_tree_invariants(tree)
+    assert tree.tokens[0, 0].item() == 52
+    assert (53, 54, 55, 56, 57, 58) in paths_of(tree), "the prompt's continuation, down to max_depth"
+    assert int(tree.depths.max()) <= 6 and tree.num_rows <= 16
+    assert tree.source_tags()[0, 0] == SOURCE_NONE and bool((tree.source_tags()[0, 1:] == SOURCE_NGRAM).all())
+    sco = tree.scores[0, 1:].tolist()
+    assert all(a >= b for a, b in zip(sco, sco[1:])), "best-first"
+    assert src.propose(["r"], rows=3).num_rows == 3
+    # the request's own output: after 90 91 92 93 once, a second 90 proposes 91 92 93
+    src.commit("r", [90, 91, 92, 93, 94, 90])
+    assert (91, 92, 93, 94) in paths_of(src.propose(["r"], rows=8))
+    with pytest.raises(ValueError):
+        src.propose(["r"], rows=8, roots=[7])  # the source was not told about the round's root
+    assert src.propose(["r"], rows=8, roots=[7], strict=False).tokens.tolist() == [[7]]
+    with pytest.raises(ValueError):
+        src.add_request("r", [1, 2])
+
+
+def test_skip_tokens_split_the_prompt():
+    src = NgramSource(small(scope="off", skip_tokens=(99,)))
+    src.add_request("r", [10, 11, 99, 12, 13, 14, 10, 11])
+    tree = src.propose(["r"], rows=8)
+    assert all(99 not in p for p in paths_of(tree)), "the placeholder is never proposed"
+    assert not any(p[:1] == (12,) for p in paths_of(tree)), "no n-gram spans the placeholder"
+
+
+def answer(src: NgramSource, rid: str, key: str | None, tokens: list[int]) -> None:
+    src.add_request(rid, [1, 2, 3], key=key)
+    src.commit(rid, tokens)
+    src.finish(rid)
+
+
+@pytest.mark.parametrize("scope", ["shared", "per-key", "off"])
+def test_cross_request_corpus_scopes(scope):
+    src = NgramSource(small(scope=scope))
+    answer(src, "a1", "tenant-a", [40, 41, 42, 43, 44, 45])
+    src.add_request("a2", [1, 2, 3], key="tenant-a")
+    src.add_request("b1", [1, 2, 3], key="tenant-b")
+    for rid in ("a2", "b1"):
+        src.commit(rid, [40])
+    tree = src.propose(["a2", "b1"], rows=8)
+    check_tree_invariants(tree)
+    same, other = (41, 42, 43, 44, 45) in paths_of(tree, 0), (41, 42, 43, 44, 45) in paths_of(tree, 1)
+    assert (same, other) == {"shared": (True, True), "per-key": (True, False), "off": (False, False)}[scope]
+    assert src.stats()["corpora"] == {"shared": 1, "per-key": 1, "off": 0}[scope]
+
+
+def test_memory_is_bounded_and_old_answers_are_evicted():
+    src = NgramSource(small(scope="per-key", max_keys=2, max_pooled=2, corpus_capacity=512))
+    for k in range(5):
+        answer(src, f"k{k}", f"tenant-{k}", [200 + k, 300 + k, 301 + k, 302 + k])
+    assert src.stats()["corpora"] == 2 and src.stats()["pooled"] <= 2
+    src.add_request("late", [1], key="tenant-0")
+    src.commit("late", [200])
+    assert src.propose(["late"], rows=8).num_rows == 1, "the least recently used tenant's corpus was dropped"
+    src.finish("late")
+    assert src.memory_bound_nodes(active_requests=4) == 2 * 512 + (4 + 2) * 1024
+    # one tenant's corpus full: the oldest answers go, the newest stay, matching keeps working
+    src = NgramSource(small(scope="shared", corpus_capacity=512))
+    rng = random.Random(0)
+    first = [1000, 1001, 1002, 1003, 1004]
+    answer(src, "first", None, first)
+    for i in range(200):
+        answer(src, f"x{i}", None, [rng.randrange(2000, 60000) for _ in range(30)])
+    last = [5000, 5001, 5002, 5003]
+    answer(src, "last", None, last)
+    src.add_request("q", [1])
+    src.commit("q", [1000])
+    assert src.propose(["q"], rows=8).num_rows == 1, "the first answer was evicted"
+    src.commit("q", [5000])
+    assert (5001, 5002, 5003) in paths_of(src.propose(["q"], rows=8))
+
+
+@dataclass
+class Batch:
+    """The fields of a round batch (``glance_sgl.round.RoundBatch``) that the adapter reads."""
+
+    rids: list[str]
+    roots: torch.Tensor
+    tokens: list[list[int]]
+
+
+def test_round_adapter_feeds_and_proposes():
+    cands = NgramCandidates(NgramSource(small(scope="per-key")))
+    cands.set_key("r", "tenant-a")
+    tokens = [[7, 8, 9, 10, 11, 7]]
+    batch = Batch(["r"], torch.tensor([7]), tokens)
+    tree = cands.propose(batch, rows=6)
+    assert tree.tokens[0, 0] == 7 and (8, 9, 10, 11) in paths_of(tree)
+    # the round committed 8 9 (accepted) and 12 (bonus)
+    walk = WalkResult(torch.tensor([[0, 1, 2]]), torch.tensor([2]), torch.tensor([12]), torch.tensor([[8, 9, 12]]))
+    cands.commit(batch, torch.zeros(1, 3, 1), walk)
+    assert cands.source.root("r") == 12 and cands.source._requests["r"].total == 9
+    # the engine dropped tokens (a stop string): the next batch's tokens re-seed the request
+    batch = Batch(["r"], torch.tensor([9]), [tokens[0] + [8, 9]])
+    assert cands.propose(batch, rows=6).tokens[0, 0] == 9
+    assert cands.source._requests["r"].answer == [8, 9], "its answer so far, less the dropped bonus"
+    cands.finish("r")
+    assert cands.source.stats()["requests"] == 0 and cands.source.stats()["published_tokens"] == 2
+
+
+@pytest.mark.parametrize("scope", ["shared", "off"])
+def test_lossless_with_ngram_candidates(scope):
+    """Two waves of requests (the second sees the first's answers where the scope shares them): drafter-like trees
+    merged with the real n-gram source's, random budgets and AR rounds, commit exactly the target's greedy output
+    and seeded samples."""
+    rng = random.Random(7)
+    target = TableTarget(vocab=10, seed=3, sharpness=4.0)
+    src = NgramSource(small(scope=scope))
+    acc = SourceAcceptance(max_depth=6)
+    n = 40
+    accepted_ngram = 0
+    for wave in range(2):
+        prompts = [[rng.randrange(10) for _ in range(rng.randint(3, 10))] for _ in SPECS]
+        rids = [f"w{wave}-{i}" for i in range(len(SPECS))]
+        for rid, prompt in zip(rids, prompts):
+            src.add_request(rid, prompt)
+
+        def propose(ctxs, _outs):
+            ngram = src.propose(rids, rows=12, acceptance=acc)
+            assert ngram.tokens[:, 0].tolist() == [c[-1] for c in ctxs]
+            return [noisy_drafter_tree(target, ctxs, rng, hit=0.3), ngram]
+
+        def fed(merged, walk):
+            for rid, toks in zip(rids, walk.committed()):
+                src.commit(rid, toks)
+
+        got, accepted = speculative_decode(target, prompts, SPECS, n, propose, rng, acceptance=acc, on_round=fed)
+        for prompt, spec, out in zip(prompts, SPECS, got):
+            assert out == ar_decode(target, prompt, spec, n)
+        accepted_ngram += sum(v for k, v in accepted.items() if k & SOURCE_NGRAM)
+        for rid in rids:
+            src.finish(rid)
+    assert accepted_ngram > 0
+    assert acc.tries[SOURCE_NGRAM][1].sum() > 0 and acc.tries[SOURCE_DRAFTER][1].sum() > 0
+
+
+def test_merged_with_the_drafter_under_one_budget():
+    src = NgramSource(small(scope="off"))
+    src.add_request("r", [5, 6, 7, 8, 9, 5])
+    ngram = src.propose(["r"], rows=8)
+    drafter_paths = {(6,), (6, 7), (3,)}
+    trie = CandidateTrie(5)
+    for path in sorted(drafter_paths, key=len):
+        node = 0
+        for tok in path:
+            node = trie.add(node, tok, -0.1 * len(path), SOURCE_DRAFTER)
+    drafter = pack_trees([trie.best_first(10)])
+    merged = merge_trees([drafter, ngram], rows=6)
+    check_tree_invariants(merged)
+    tags = {p: t for p, (_, t) in tree_paths(merged, 0).items()}
+    assert tags[(6,)] == tags[(6, 7)] == SOURCE_DRAFTER | SOURCE_NGRAM and tags[(3,)] == SOURCE_DRAFTER
+    assert merged.num_rows == 6
