@@ -33,15 +33,33 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
 def test_scale_timing_tiny_on_cpu(tmp_path):
     from glance_sgl.scale_timing import main
 
-    path = tmp_path / "scale.json"
-    assert main(["--tiny", "--device", "cpu", "--batches", "1,2", "--rows", "4", "--context", "16",
-                 "--repeats", "1", "--drafter-layers", "1", "--json", str(path)]) == 0
+    path, curve = tmp_path / "scale.json", tmp_path / "curve.json"
+    curve.write_text(json.dumps({"tau_by_rows": {"tau_by_rows": {"4": 2.0, "8": 2.6, "16": 3.0}}}))
+    assert main(["--tiny", "--device", "cpu", "--batches", "1,2", "--rows", "4,8", "--context", "16,24",
+                 "--repeats", "1", "--drafter-layers", "1", "--tau-curve", str(curve), "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert report["errors"] == []
-    assert set(report["verify_ms"]) == {f"eager/bs{b}/rows{r}" for b in (1, 2) for r in (1, 4)}
-    assert set(report["drafter_ms"]) == {"eager/bs1", "eager/bs2"}
+    assert set(report["verify_ms"]) == {f"eager/ctx{c}/bs{b}/rows{r}" for c in (16, 24) for b in (1, 2)
+                                        for r in (1, 4, 8)}
+    assert set(report["drafter_ms"]) == {f"eager/ctx{c}/bs{b}" for c in (16, 24) for b in (1, 2)}
     assert all(v > 0 for v in list(report["verify_ms"].values()) + list(report["drafter_ms"].values()))
-    s = report["speedup_by_tau"]["eager/bs1/rows4"]
-    ar, v, d = report["verify_ms"]["eager/bs1/rows1"], report["verify_ms"]["eager/bs1/rows4"], \
-        report["drafter_ms"]["eager/bs1"]
-    assert s["tau3"] == pytest.approx(3 * ar / (v + d), rel=1e-2)
+    base = "eager/ctx16/bs1"
+    ar, v, d = (report["verify_ms"][f"{base}/rows1"], report["verify_ms"][f"{base}/rows4"],
+                report["drafter_ms"][base])
+    assert report["round_cost_ar_steps"][base]["4"] == pytest.approx((v + d) / ar, rel=1e-2)
+    assert report["speedup_by_tau"][f"{base}/rows4"]["tau2.9"] == pytest.approx(2.9 * ar / (v + d), rel=1e-2)
+    best = report["best_rows"][base]
+    assert set(best) == {"paper_tau2.9", "paper_tau4.7", "demo"}
+    costs = {int(r): c for r, c in report["round_cost_ar_steps"][base].items()}
+    demo = {1: 1.0, 4: 2.0, 8: 2.6}  # the curve's 16 rows were not timed
+    assert best["demo"]["rows"] == max(demo, key=lambda r: demo[r] / costs[r])
+
+
+def test_scaled_tau_curve_keeps_the_bonus_and_hits_the_anchor():
+    from glance_sgl.scale_timing import scaled_curve
+
+    curve = {4: 2.0, 16: 3.0, 64: 4.0}
+    out = scaled_curve(curve, 4.7, anchor=16)
+    assert out[16] == pytest.approx(4.7) and out[4] == pytest.approx(1 + 1.0 * 3.7 / 2.0)
+    mid = scaled_curve(curve, 5.0, anchor=32)  # 32 lies between 16 and 64: interpolated in log rows
+    assert mid[16] < 5.0 < mid[64]

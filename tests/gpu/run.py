@@ -48,7 +48,7 @@ def steps(out: Path, python: str) -> list[dict]:
                                                 "--timeout=200", "tests/kernels", "tests/sglang/test_gpu.py"],
              env={"GLANCE_GPU_REPORT": str(out / "gpu_tests.json")}),
         dict(name="scale-timing", limit=110, cmd=[python, "-m", "glance_sgl.scale_timing", "--device", "cuda",
-                                                   "--repeats", "8", "--json", str(out / "scale_timing.json")]),
+                                                   "--rows", "1,8,16,32", "--context", "1024", "--repeats", "8", "--json", str(out / "scale_timing.json")]),
         dict(name="bench", limit=120, cmd=[python, "-m", "glance_sgl.sglang.bench", "--device", "cuda",
                                            "--methods", "none,ngram,glance", "--prompts", "16",
                                            "--concurrency", "1,8", "--wild", "0", "--json", str(out / "bench.json"),
