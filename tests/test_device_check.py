@@ -56,11 +56,14 @@ def test_import_surface_runs_with_sglang_fastapi_pydantic_unimportable(tmp_path)
 
 
 def test_hidden_packages_are_unimportable_and_have_no_metadata():
-    code = ("import sys; sys.path.insert(0, 'tests/gpu'); import import_surface as s; s.hide(['fastapi', 'pydantic'])\n"
+    code = ("import sys; sys.path.insert(0, 'tests/gpu')\n"
+            "import import_surface as s; s.hide(['fastapi', 'pydantic'])\n"
             "import importlib.util, importlib.metadata as m\n"
             "assert importlib.util.find_spec('fastapi') is None\n"
-            "try:\n    import pydantic\nexcept ModuleNotFoundError:\n    pass\nelse:\n    raise SystemExit('imported')\n"
-            "try:\n    m.version('fastapi')\nexcept m.PackageNotFoundError:\n    pass\nelse:\n    raise SystemExit('meta')\n"
+            "try:\n    import pydantic\nexcept ModuleNotFoundError:\n    pass\n"
+            "else:\n    raise SystemExit('imported')\n"
+            "try:\n    m.version('fastapi')\nexcept m.PackageNotFoundError:\n    pass\n"
+            "else:\n    raise SystemExit('meta')\n"
             "import torch; print(m.version('torch'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
