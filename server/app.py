@@ -138,7 +138,7 @@ class Gateway:
     def __init__(self, config: ServerConfig, backend: Backend) -> None:
         self.config = config
         self.backend = backend
-        self.telemetry = Telemetry(backend.stats)
+        self.telemetry = Telemetry(backend.stats, backend.supervision)
         self.http: httpx.AsyncClient | None = None  # remote image fetches
         self.started = int(time.time())
 
@@ -580,7 +580,9 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
             out = await gw.collect(job, request, t0)
             return native_body(rid, out, time.perf_counter() - t0, top)
 
-    return Guards(app, config, gw.telemetry)
+    guarded = Guards(app, config, gw.telemetry)
+    guarded.gateway = gw  # the routes' shared state (its backend), for whoever runs the app
+    return guarded
 
 
 # ------------------------------------------------------------------------------------------------ parsers

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from .config import MiB, ServerConfig
+from .config import MiB, RestartPolicy, ServerConfig
 
 
 def _fail(message: str):
@@ -58,6 +58,11 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         _fail("--planner cannot reach a running SGLang server (--upstream): start it with GLANCE_PLANNER=auto|fixed")
     if args.allow_remote_images and not args.remote_image_host:
         _fail("--allow-remote-images needs at least one --remote-image-host")
+    try:
+        restart = RestartPolicy(max_restarts=args.sglang_max_restarts, window_s=args.sglang_restart_window,
+                                backoff_s=args.sglang_restart_backoff, max_backoff_s=args.sglang_restart_max_backoff)
+    except ValueError as exc:
+        _fail(str(exc))
     return ServerConfig(
         served_model_name=args.served_model_name, api_key=api_key, max_body_bytes=int(args.max_body_mb * MiB),
         max_images=args.max_images, max_image_bytes=int(args.max_image_mb * MiB),
@@ -66,7 +71,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         upstream_concurrency=args.upstream_concurrency, request_timeout_s=args.request_timeout,
         allow_remote_images=args.allow_remote_images, remote_image_hosts=args.remote_image_host or [],
         trusted_image_networks=args.trusted_image_network or [], calibrate=not args.no_calibrate,
-        upstream_url=args.upstream, upstream_api_key=upstream_key, ar_ms_per_token=args.ar_ms_per_token, debug_faults=args.debug_faults,
+        upstream_url=args.upstream, upstream_api_key=upstream_key, ar_ms_per_token=args.ar_ms_per_token,
+        sglang_restart=restart, debug_faults=args.debug_faults,
     )
 
 
@@ -84,16 +90,21 @@ def build_app(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.backend == "sglang":
+        from glance_sgl.sglang.launch import model_context_length
+
         from .sglang import SGLangBackend
 
-        managed = None
-        if not args.upstream:  # no URL: launch SGLang with the GLANCE plugin as a managed subprocess
-            managed = launch_managed_sglang(args, model, drafter)
+        managed, note = None, "the upstream server was started with its own --context-length"
+        if not args.upstream:  # no URL: launch SGLang with the GLANCE plugin as a managed, supervised subprocess
+            managed = launch_managed_sglang(args, config, model, drafter)
             args.upstream = config.upstream_url = managed.url
+            note = ("--sglang-args sets --context-length" if "--context-length" in (args.sglang_args or "")
+                    else "the launched SGLang server derived its own (see its log)")
         processor = AutoProcessor.from_pretrained(model)
-        backend = SGLangBackend(args.upstream, processor, config)
-        backend.managed_upstream = managed
-        return create_app(config, backend, processor), f"sglang upstream {args.upstream} (prompts: {model})"
+        backend = SGLangBackend(args.upstream, processor, config, managed=managed,
+                                model_context_length=model_context_length(model), context_note=note)
+        what = f"sglang upstream {args.upstream}{' (launched, supervised)' if managed else ''} (prompts: {model})"
+        return create_app(config, backend, processor), what
     from .embedded import EmbeddedBackend
 
     planner = {"planner": args.planner} if drafter is not None and args.planner else {}
@@ -103,38 +114,63 @@ def build_app(args: argparse.Namespace):
     return create_app(config, backend, engine.target.processor), f"embedded {model} + {drafter or 'no drafter'}"
 
 
-def launch_managed_sglang(args: argparse.Namespace, model: Path, drafter: Path | None):
-    """Start ``sglang.launch_server`` (GLANCE when there is a drafter) on loopback; the gateway's shutdown stops
-    it (and atexit, for exits that skip the shutdown). Returns the server handle."""
+def launch_managed_sglang(args: argparse.Namespace, config: ServerConfig, model: Path, drafter: Path | None):
+    """Start ``sglang.launch_server`` (GLANCE when there is a drafter) on loopback and wait until it is ready (a
+    clear start-up error otherwise); returns its supervisor (:class:`~glance_server.supervisor.ManagedSGLang`,
+    which restarts it by ``config.sglang_restart``). The gateway's shutdown stops it (and atexit, for exits that
+    skip the shutdown)."""
     import atexit
+    import functools
     import shlex
+    import tempfile
 
     import torch
 
     from glance_sgl.sglang.launch import launch_sglang
     from glance_sgl.sglang.planning import PLANNER_ENV
 
+    from .supervisor import ManagedSGLang
+
     cpu = args.sglang_device == "cpu" or (args.sglang_device == "auto" and not torch.cuda.is_available())
-    logging.getLogger("glance_server").info("launching SGLang (%s) on 127.0.0.1:%d", "CPU mode" if cpu else "GPU",
-                                            args.sglang_port)
-    try:
-        handle = launch_sglang(model, drafter, port=args.sglang_port, cpu=cpu,
-                               extra_args=shlex.split(args.sglang_args or ""), timeout=args.sglang_timeout,
+    log_path = Path(args.sglang_log or Path(tempfile.gettempdir()) / f"glance-sglang-{args.sglang_port}.log")
+    logging.getLogger("glance_server").info("launching SGLang (%s) on 127.0.0.1:%d, its log: %s",
+                                            "CPU mode" if cpu else "GPU", args.sglang_port, log_path)
+    launch = functools.partial(launch_sglang, model, drafter, port=args.sglang_port, cpu=cpu,
+                               extra_args=shlex.split(args.sglang_args or ""), log_path=log_path,
                                env={PLANNER_ENV: args.planner} if args.planner else None)
+    try:
+        handle = launch(timeout=args.sglang_timeout)
     except (RuntimeError, TimeoutError, OSError) as exc:
         _fail(f"could not start SGLang: {exc}")
-    atexit.register(handle.stop)
-    return handle
+    managed = ManagedSGLang(handle, functools.partial(launch, wait=False, append_log=True), config.sglang_restart,
+                            ready_timeout_s=args.sglang_timeout)
+    atexit.register(lambda: managed.server.stop())
+    return managed
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until stopped: 0 on a normal shutdown, :data:`~glance_server.supervisor.EXIT_UPSTREAM_FAILED` when the
+    gateway gave up on the SGLang server it launched (its restarts were used up)."""
     import uvicorn
+
+    from .supervisor import EXIT_UPSTREAM_FAILED
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, what = build_app(args)
     logging.getLogger("glance_server").info("serving %s on http://%s:%d", what, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
-                limit_concurrency=args.limit_concurrency)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=10, limit_concurrency=args.limit_concurrency))
+    managed = getattr(app.gateway.backend, "managed", None)
+    if managed is not None:
+        managed.on_give_up = lambda: setattr(server, "should_exit", True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on (as uvicorn.run, a clean stop)
+        pass
+    if managed is not None and managed.gave_up:
+        logging.getLogger("glance_server").critical("exiting with status %d: %s", EXIT_UPSTREAM_FAILED,
+                                                    managed.reason())
+        return EXIT_UPSTREAM_FAILED
     return 0
 
 
@@ -150,7 +186,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sglang-device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="launched SGLang: CPU mode or GPU (auto: GPU when CUDA is available)")
     p.add_argument("--sglang-args", default="", help="extra arguments for a launched sglang.launch_server")
-    p.add_argument("--sglang-timeout", type=float, default=900.0, help="seconds to wait for a launched SGLang")
+    p.add_argument("--sglang-timeout", type=float, default=900.0, help="seconds to wait for a launched SGLang "
+                   "(at start-up and at each restart)")
+    p.add_argument("--sglang-log", metavar="FILE", default=None, help="the launched SGLang server's output, "
+                   "appended across restarts (default: glance-sglang-PORT.log in the temp directory)")
+    p.add_argument("--sglang-max-restarts", type=int, default=RestartPolicy.max_restarts,
+                   help="a launched SGLang server that dies is started again; after more failures than this "
+                   "within --sglang-restart-window the gateway exits with status 3 (0: at the first failure)")
+    p.add_argument("--sglang-restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
+                   help="the window --sglang-max-restarts counts failures in")
+    p.add_argument("--sglang-restart-backoff", type=float, default=RestartPolicy.backoff_s, metavar="SECONDS",
+                   help="wait before the first restart, doubled for each further failure within the window")
+    p.add_argument("--sglang-restart-max-backoff", type=float, default=RestartPolicy.max_backoff_s,
+                   metavar="SECONDS", help="the longest wait before a restart")
     p.add_argument("--upstream-api-key-env", metavar="VAR", help="bearer token for the upstream server")
     p.add_argument("--model", help="Hugging Face model directory (default: the bundled demo); with --backend "
                    "sglang it supplies the chat template")

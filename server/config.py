@@ -8,6 +8,47 @@ from dataclasses import dataclass, field
 MiB = 1024 * 1024
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How the gateway supervises an SGLang server it launched (``glance serve --backend sglang`` without
+    ``--upstream``): when the server dies it is started again after a back-off; when it has failed (died, or a
+    restart did not become ready) more than ``max_restarts`` times within ``window_s`` seconds the gateway gives up
+    and exits non-zero, so that its own supervisor (systemd, Kubernetes) takes over.
+
+    The back-off before a restart is ``backoff_s * 2 ** (k - 1)`` seconds, at most ``max_backoff_s``, where ``k`` is
+    the number of failures within the window (the first restart waits ``backoff_s``). Bad values raise
+    ``ValueError`` naming the setting and its ``glance serve`` flag."""
+
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    FLAGS = {"max_restarts": "--sglang-max-restarts", "window_s": "--sglang-restart-window",
+             "backoff_s": "--sglang-restart-backoff", "max_backoff_s": "--sglang-restart-max-backoff"}
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} ({self.FLAGS[name]}) {rule}, got {getattr(self, name)!r}")
+
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise bad("max_restarts", "must be an integer >= 0 (0: exit at the first failure)")
+        for name in ("window_s", "backoff_s", "max_backoff_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise bad(name, "must be a number of seconds")
+        if not 0 < self.window_s < float("inf"):
+            raise bad("window_s", "must be > 0 seconds")
+        if not 0 <= self.backoff_s < float("inf"):
+            raise bad("backoff_s", "must be >= 0 seconds")
+        if not self.backoff_s <= self.max_backoff_s < float("inf"):
+            raise bad("max_backoff_s", f"must be >= the back-off ({self.backoff_s} s)")
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait before the restart that follows the ``failures``-th failure within the window."""
+        return min(self.backoff_s * 2.0 ** max(failures - 1, 0), self.max_backoff_s)
+
+
 @dataclass
 class ServerConfig:
     """Everything the gateway enforces. Defaults are the production defaults of ``glance serve``."""
@@ -42,6 +83,7 @@ class ServerConfig:
     upstream_timeout_s: float = 600.0
     upstream_connect_timeout_s: float = 5.0
     ar_ms_per_token: float | None = None  # sglang backend: AR ms/token measured offline, for estimates
+    sglang_restart: RestartPolicy = field(default_factory=RestartPolicy)  # a launched SGLang server's supervision
     # testing only: lets a request inject an engine failure ("glance": {"debug_fault": "engine_error"})
     debug_faults: bool = False
 

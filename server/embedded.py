@@ -115,6 +115,7 @@ class EmbeddedBackend(Backend):
         return {"backend": self.name, "mode": self.default_mode, "planner": self.default_planner,
                 "block_size": self.engine.block_size, "budget": self.engine.budget,
                 "max_nodes": getattr(self.engine, "max_nodes", None), "branch_k": self.engine.branch_k,
+                "context_length": self.engine.target.context_length,
                 "estimated_ar_ms_per_token": self.ar_ms_per_token}
 
     def stats(self) -> dict[str, int]:

@@ -130,6 +130,11 @@ class Backend:
         """``{"queued": waiting requests, "in_flight": running requests}``."""
         return {"queued": 0, "in_flight": 0}
 
+    def supervision(self) -> dict[str, int] | None:
+        """A supervised upstream's ``{"restarts": restarts so far, "up": 1 while it serves}`` for ``/metrics``;
+        None when the backend supervises nothing."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}
 

@@ -12,6 +12,13 @@ counted); the gateway's ``tau`` is ``(completion_tokens - 1) / spec_verify_ct``.
 ``text`` / ``output_ids`` by default; both cumulative and incremental streams are understood.
 Timings through this backend are observed at the gateway: ``prefill_ms`` = time to the first token (queue and
 network included), ``decode_ms`` = first to last token.
+
+Context length: at start-up (or once the upstream first answers) the backend reads the upstream's context length
+(``GET /v1/models``, SGLang's ``max_model_len``), logs it beside the model's own (``max_position_embeddings``,
+what the embedded backend serves; a warning says why when they differ), reports it in the model card
+(``glance.context_length``) and names it in the 400 ``context_length_exceeded`` of a request over it.
+A server the gateway launched is supervised (:mod:`glance_server.supervisor`): while it restarts ``/ready`` is
+503 and new requests get 503 ``upstream_unavailable``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import time
 from typing import Any
 
@@ -34,6 +42,9 @@ from .errors import APIError, bad_request
 from .jobs import Backend, GenOutput, GenRequest, Job, queue_full
 from .logprobs import TokenTable, from_sglang
 from .protocol import glance_object
+from .supervisor import ManagedSGLang
+
+log = logging.getLogger("glance_server.sglang")
 
 IM_START, IM_END, GEN_PROMPT = "<|im_start|>", "<|im_end|>\n", "<|im_start|>assistant\n"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -164,7 +175,11 @@ class SGLangBackend(Backend):
 
     name = "sglang"
 
-    def __init__(self, upstream_url: str, processor, config: ServerConfig) -> None:
+    def __init__(self, upstream_url: str, processor, config: ServerConfig, *, managed: ManagedSGLang | None = None,
+                 model_context_length: int | None = None, context_note: str = "") -> None:
+        """``managed``: the supervised SGLang server this gateway launched (stopped with the gateway);
+        ``model_context_length``: the model's own context (what the embedded backend serves), compared at start-up
+        with the upstream's; ``context_note``: why they may differ (said in the start-up warning)."""
         self.upstream_url = upstream_url.rstrip("/")
         self.processor = processor
         self.config = config
@@ -175,7 +190,11 @@ class SGLangBackend(Backend):
         self._queued = 0
         self._in_flight = 0
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "not checked")
-        self.managed_upstream: Any = None  # an SGLang server this gateway launched: stopped with the gateway
+        self.managed = managed
+        self.model_context_length = model_context_length
+        self.upstream_context_length: int | None = None  # the upstream's max_model_len, once read
+        self.context_note = context_note
+        self._context_checked = False
 
     async def start(self) -> None:
         n = self.config.upstream_concurrency
@@ -186,16 +205,21 @@ class SGLangBackend(Backend):
             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
         )
         self._slots = asyncio.Semaphore(n)
+        if self.managed is not None:
+            self.managed.on_state(lambda _state: setattr(self, "_ready_cache", (0.0, False, "not checked")))
+            self.managed.start()
+            await self.check_context()
 
     async def stop(self) -> None:
         if self.client is not None:
             await self.client.aclose()
-        if self.managed_upstream is not None:  # here, not atexit: uvicorn re-raises SIGTERM after shutdown
-            await asyncio.to_thread(self.managed_upstream.stop)
-            self.managed_upstream = None
+        if self.managed is not None:  # here, not atexit: uvicorn re-raises SIGTERM after shutdown
+            await self.managed.stop()
 
     async def check_ready(self) -> tuple[bool, str]:
-        """Upstream ``GET /health`` (cached for a second)."""
+        """Upstream ``GET /health`` (cached for a second); a managed server that is restarting is not ready."""
+        if self.managed is not None and not self.managed.serving():
+            return False, self.managed.reason()
         at, ok, why = self._ready_cache
         if time.monotonic() - at < 1.0:
             return ok, why
@@ -205,16 +229,63 @@ class SGLangBackend(Backend):
         except httpx.HTTPError as exc:
             ok, why = False, f"upstream unreachable ({type(exc).__name__})"
         self._ready_cache = (time.monotonic(), ok, "ok" if ok else why)
+        if ok and not self._context_checked:
+            await self.check_context()
         return ok, self._ready_cache[2]
 
+    async def check_context(self) -> None:
+        """Read the upstream's context length once (``GET /v1/models``: SGLang's ``max_model_len``, or an upstream
+        GLANCE gateway's ``glance.context_length``) and log it beside the model's own; a warning says why when
+        they differ."""
+        try:
+            resp = await self.client.get("/v1/models", timeout=5.0)
+            cards = (resp.json().get("data") or []) if resp.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            return  # not reachable yet: check_ready tries again once it is
+        self._context_checked = True
+        # SGLang's max_model_len, or another GLANCE gateway's glance.context_length
+        lengths = [c.get("max_model_len") or (c.get("glance") or {}).get("context_length")
+                   for c in cards if isinstance(c, dict)]
+        up = next((int(n) for n in lengths if isinstance(n, int) and n > 0), None)
+        self.upstream_context_length = up
+        model = self.model_context_length
+        if up is None:
+            log.info("the upstream does not report its context length; requests over it get its 400")
+        elif model is None or up == model:
+            log.info("context length: %d tokens (the model's max_position_embeddings: %s, as the embedded backend "
+                     "serves it)", up, model if model is not None else "not set")
+        else:
+            log.warning("the SGLang server serves a context of %d tokens, but the model's max_position_embeddings "
+                        "(what the embedded backend serves) is %d%s; requests longer than %d tokens get 400 "
+                        "context_length_exceeded", up, model, f": {self.context_note}" if self.context_note else "",
+                        up)
+
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "upstream": self.upstream_url,
-                "estimated_ar_ms_per_token": self.config.ar_ms_per_token}
+        info: dict[str, Any] = {"backend": self.name, "upstream": self.upstream_url,
+                                "context_length": self.upstream_context_length or self.model_context_length,
+                                "estimated_ar_ms_per_token": self.config.ar_ms_per_token}
+        if self.managed is not None:
+            info["managed"] = {"state": self.managed.state, "restarts": self.managed.restarts}
+        return info
 
     def stats(self) -> dict[str, int]:
         return {"queued": self._queued, "in_flight": self._in_flight}
 
+    def supervision(self) -> dict[str, int] | None:
+        """The managed server's ``restarts`` and ``up`` (None for an upstream the gateway did not launch)."""
+        return self.managed.metrics() if self.managed is not None else None
+
+    def name_limit(self, exc: APIError) -> APIError:
+        """A ``context_length_exceeded`` from the upstream, with this backend's context length named."""
+        n = self.upstream_context_length
+        if exc.code != "context_length_exceeded" or n is None:
+            return exc
+        return APIError(exc.status, f"the sglang backend's context length is {n} tokens; {exc.message}", exc.code,
+                        exc.param, headers=exc.headers)
+
     def submit(self, request: GenRequest) -> Job:
+        if self.managed is not None and not self.managed.serving():
+            raise APIError(503, self.managed.reason(), "upstream_unavailable", headers={"Retry-After": "5"})
         if request.measure_speedup:
             raise bad_request("measure_speedup needs the embedded backend (SGLang cannot switch speculation off "
                               "per request)", "unsupported_parameter", "glance.measure_speedup")
@@ -265,7 +336,7 @@ class SGLangBackend(Backend):
         except asyncio.CancelledError:
             job.post("error", APIError(499, "cancelled", "cancelled"))
         except APIError as exc:
-            job.post("error", exc)
+            job.post("error", self.name_limit(exc))
         except httpx.TimeoutException:
             job.post("error", APIError(504, "the upstream SGLang server timed out", "upstream_timeout"))
         except httpx.HTTPError as exc:

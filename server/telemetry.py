@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series
 
@@ -16,19 +16,30 @@ ROWS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)  # rows verified per ro
 
 
 class _BackendCollector:
-    """Queue depth and in-flight requests, read from the backend at scrape time."""
+    """Queue depth and in-flight requests, read from the backend at scrape time; with a supervised upstream (a
+    launched SGLang server) also its restarts and whether it serves."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int]],
+                 supervision: Callable[[], dict[str, int] | None] | None = None) -> None:
         self.stats = stats
+        self.supervision = supervision
 
     def collect(self):
         stats = self.stats()
         yield GaugeMetricFamily("glance_queue_depth", "Requests waiting for the engine", value=stats["queued"])
         yield GaugeMetricFamily("glance_in_flight", "Requests being generated", value=stats["in_flight"])
+        sup = self.supervision() if self.supervision is not None else None
+        if sup is not None:
+            yield CounterMetricFamily("glance_sglang_restarts", "Restarts of the SGLang server this gateway "
+                                      "launched", value=sup["restarts"])
+            yield GaugeMetricFamily("glance_sglang_up", "1 while the SGLang server this gateway launched serves",
+                                    value=sup["up"])
 
 
 class Telemetry:
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int]],
+                 supervision: Callable[[], dict[str, int] | None] | None = None) -> None:
+        """``stats``: the backend's queue counts; ``supervision``: its supervised upstream's counts, if any."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("glance_requests", "HTTP requests by route and status", ["route", "status"],
                                 registry=r)
@@ -52,7 +63,7 @@ class Telemetry:
                                       "Tokens committed by the rounds the planner predicted", ["planner"], registry=r)
         self.finished = Counter("glance_generations", "Generations by finish reason", ["finish_reason"], registry=r)
         self.engine_errors = Counter("glance_engine_errors", "Requests failed by the engine or upstream", registry=r)
-        r.register(_BackendCollector(stats))
+        r.register(_BackendCollector(stats, supervision))
 
     def observe_generation(self, glance: dict[str, Any], prompt_tokens: int, completion_tokens: int,
                            finish_reason: str) -> None:

@@ -8,6 +8,11 @@
 The plugin needs no flag to load (SGLang loads every ``sglang.srt.plugins`` entry point); the command is
 ``python -m sglang.launch_server --model-path M --speculative-algorithm GLANCE --speculative-draft-model-path D``
 plus, with ``cpu=True``, the CPU mode (:func:`cpu_server_args`). ``drafter=None`` serves without speculation.
+
+Context length: the CPU mode serves the model's own context (:func:`model_context_length`, the text config's
+``max_position_embeddings``: what the embedded engine serves) and sizes SGLang's KV pool to hold two requests of
+that length (:func:`cpu_kv_tokens`), so the same model has one context length on both backends. A
+``--context-length`` in ``extra_args`` comes later on the command line and wins.
 """
 
 from __future__ import annotations
@@ -25,8 +30,25 @@ from pathlib import Path
 from typing import Sequence
 
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "glance_cpu", "--disable-cuda-graph",
-            "--disable-overlap-schedule", "--dtype", "float32", "--mem-fraction-static", "0.3",
-            "--max-total-tokens", "4096", "--context-length", "1024")
+            "--disable-overlap-schedule", "--dtype", "float32", "--mem-fraction-static", "0.3")
+CPU_MIN_KV_TOKENS = 4096  # the CPU mode's smallest KV pool (tokens), whatever the context
+
+
+def model_context_length(model: str | Path) -> int | None:
+    """The context length the embedded engine serves for ``model``: its text config's
+    ``max_position_embeddings`` (``TargetAdapter.context_length``); None when the config does not set it (SGLang
+    then derives its own)."""
+    from transformers import AutoConfig
+
+    value = getattr(AutoConfig.from_pretrained(str(model)).get_text_config(), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def cpu_kv_tokens(context_length: int | None) -> int:
+    """Tokens of the CPU mode's KV pool: room for two requests of the full context (one of them with a verify
+    tree on top), at least :data:`CPU_MIN_KV_TOKENS`. SGLang refuses a request longer than its pool even when the
+    context allows it, so a pool smaller than the context would shorten the context silently."""
+    return max(CPU_MIN_KV_TOKENS, 2 * int(context_length or 0))
 
 
 def free_port() -> int:
@@ -36,21 +58,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_server_args() -> list[str]:
-    """SGLang server flags of the CPU mode (float32, the ``glance_cpu`` attention backend, no CUDA graphs)."""
-    return list(CPU_ARGS)
+def cpu_server_args(context_length: int | None = None) -> list[str]:
+    """SGLang server flags of the CPU mode (float32, the ``glance_cpu`` attention backend, no CUDA graphs), with
+    ``--context-length context_length`` (when given) and a KV pool of :func:`cpu_kv_tokens` tokens."""
+    args = [*CPU_ARGS, "--max-total-tokens", str(cpu_kv_tokens(context_length))]
+    if context_length:
+        args += ["--context-length", str(int(context_length))]
+    return args
 
 
 def server_command(model: str | Path, drafter: str | Path | None = None, port: int = 30000,
                    host: str = "127.0.0.1", cpu: bool = False, extra_args: Sequence[str] = (),
                    python: str | None = None) -> list[str]:
-    """The ``sglang.launch_server`` command line for ``model`` (+ GLANCE with ``drafter``)."""
+    """The ``sglang.launch_server`` command line for ``model`` (+ GLANCE with ``drafter``); the CPU mode serves
+    the model's own context length (:func:`model_context_length`)."""
     cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
            "--host", host, "--port", str(port)]
     if drafter is not None:
         cmd += ["--speculative-algorithm", "GLANCE", "--speculative-draft-model-path", str(drafter)]
     if cpu:
-        cmd += cpu_server_args()
+        cmd += cpu_server_args(model_context_length(model))
     cmd += list(extra_args)
     return cmd
 
@@ -64,6 +91,7 @@ class SGLangServer:
     command: list[str]
     log_path: Path | None = None
     _log: object = field(default=None, repr=False)
+    _stopped: bool = field(default=False, repr=False)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -90,8 +118,15 @@ class SGLangServer:
             return "\n" + Path(self.log_path).read_text(errors="replace")[-3000:]
         return ""
 
+    def tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the server's log ("" without a log file)."""
+        if self.log_path and Path(self.log_path).exists():
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after ``timeout``."""
+        """SIGTERM to the server's process group, SIGKILL after ``timeout``. When the server process has died
+        already, what is left of its group (a scheduler or detokenizer child) gets SIGKILL."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -102,6 +137,12 @@ class SGLangServer:
                 except ProcessLookupError:
                     pass
                 self.proc.wait(timeout=timeout)
+        elif not self._stopped:
+            try:  # the group id outlives its leader while any member lives; nothing else can hold it then
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._stopped = True
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -116,10 +157,11 @@ class SGLangServer:
 def launch_sglang(model: str | Path, drafter: str | Path | None = None, port: int = 30000, *,
                   host: str = "127.0.0.1", cpu: bool = False, extra_args: Sequence[str] = (),
                   env: dict[str, str] | None = None, log_path: str | Path | None = None, wait: bool = True,
-                  timeout: float = 300.0) -> SGLangServer:
+                  timeout: float = 300.0, append_log: bool = False) -> SGLangServer:
     """Start SGLang (with GLANCE when ``drafter`` is given) on ``host:port``; by default wait until it answers
     ``/health``. CPU mode also defaults ``OMP_NUM_THREADS=1`` (one intra-op thread per process: on small CPUs the
-    scheduler's torch threads otherwise fight each other and everything else)."""
+    scheduler's torch threads otherwise fight each other and everything else). The server's output goes to
+    ``log_path`` (appended with ``append_log``, e.g. by a supervisor's restarts), else nowhere."""
     cmd = server_command(model, drafter, port, host, cpu, extra_args)
     child_env = dict(os.environ)
     child_env.setdefault("HF_HUB_OFFLINE", "1")
@@ -127,11 +169,12 @@ def launch_sglang(model: str | Path, drafter: str | Path | None = None, port: in
     if cpu:
         child_env.setdefault("OMP_NUM_THREADS", "1")
     child_env.update(env or {})
-    log = open(log_path, "w") if log_path else None
+    log = open(log_path, "a" if append_log else "w") if log_path else None
     proc = subprocess.Popen(cmd, env=child_env, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     server = SGLangServer(proc, f"http://{host}:{port}", cmd, Path(log_path) if log_path else None, log)
     return server.wait_ready(timeout) if wait else server
 
 
-__all__ = ["SGLangServer", "cpu_server_args", "launch_sglang", "server_command"]
+__all__ = ["SGLangServer", "cpu_kv_tokens", "cpu_server_args", "free_port", "launch_sglang", "model_context_length",
+           "server_command"]
