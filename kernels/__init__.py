@@ -9,14 +9,13 @@ Kernels (shapes in the function docstrings):
 
 - :func:`tree_meta`: parent rows -> ancestor mask (the query-only ``[bs, N, N]`` layout), positions,
   first-child / next-sibling pointers (SGLang's ``retrive_next_token`` / ``retrive_next_sibling``).
-- :func:`full_mask`, :func:`packed_mask`: tree mask + per-request prefix lengths -> SGLang's flat FULL mask for
-  TARGET_VERIFY / FlashInfer's packed custom mask (little bit order, one segment per request);
-  :func:`segment_packbits` is the generic packer.
-- :func:`verify_greedy`: greedy tree verification -> accepted rows, accept lengths, bonus tokens.
+- :func:`full_mask`: tree mask + per-request prefix lengths -> SGLang's flat FULL mask for TARGET_VERIFY (the
+  SGLang worker's verify input on GPU; FlashInfer packs it itself).
 - :func:`compact_kv`: move the accepted rows to the front of each verify window in a paged KV cache.
-- :func:`budget_tree`: the best-first budget tree from per-offset top-k, equal to ``glance_sgl.tree.build_tree``.
-- :mod:`glance_kernels.attention`: the verify-pass tree attention through FlashInfer (CUDA) and its dense
-  reference.
+- :func:`budget_tree`: the best-first budget tree from per-offset top-k, equal to ``glance_sgl.tree.build_tree``
+  (the SGLang worker's drafter pass on device), as a ``glance_sgl.tree.DraftTree``.
+
+Each kernel serves an engine; the greedy walk itself is ``glance_sgl.verify`` (one implementation).
 """
 
 from __future__ import annotations
@@ -28,12 +27,11 @@ from typing import Iterator, Sequence
 import torch
 
 from . import reference
-from .reference import DeviceTree, TreeMeta, VerifyResult, mask_indptr
+from glance_sgl.tree import DraftTree
 
-__all__ = [
-    "DeviceTree", "TreeMeta", "VerifyResult", "backend", "budget_tree", "compact_kv", "full_mask",
-    "mask_indptr", "packed_mask", "segment_packbits", "tree_meta", "use_triton", "verify_greedy",
-]
+from .reference import TreeMeta, mask_indptr
+
+__all__ = ["TreeMeta", "backend", "budget_tree", "compact_kv", "full_mask", "mask_indptr", "tree_meta", "use_triton"]
 
 BACKEND_ENV = "GLANCE_KERNELS_BACKEND"
 _BACKENDS = ("auto", "triton", "torch")
@@ -92,52 +90,12 @@ def full_mask(
     """SGLang's flat bool FULL verify mask: per request ``N x (prefix + N)`` row-major, concatenated.
 
     ``tree_mask`` bool [bs, N, N]; ``prefix_lens`` [bs] on the device; ``prefix_cpu`` the same lengths on the
-    host (sizes the output without a device sync). Segment offsets: ``mask_indptr(N, prefix_cpu, False)``.
+    host (sizes the output without a device sync). Segment offsets: ``mask_indptr(N, prefix_cpu)``.
     """
     host = _host_list(prefix_lens, prefix_cpu)
     if use_triton(tree_mask):
         return _triton().full_mask(tree_mask, prefix_lens, host)
     return reference.full_mask(tree_mask, host)
-
-
-def packed_mask(
-    tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_cpu: Sequence[int] | None = None
-) -> torch.Tensor:
-    """FlashInfer's ``packed_custom_mask``: each request's FULL segment bit-packed (little order) on its own.
-
-    Returns uint8 [sum_b ceil(N (prefix_b + N) / 8)]; offsets ``mask_indptr(N, prefix_cpu, True)`` (the
-    ``mask_indptr`` FlashInfer derives itself from ``qo_indptr`` and the KV lengths).
-    """
-    host = _host_list(prefix_lens, prefix_cpu)
-    if use_triton(tree_mask):
-        return _triton().packed_mask(tree_mask, prefix_lens, host)
-    return reference.packed_mask(tree_mask, host)
-
-
-def segment_packbits(bits: torch.Tensor, indptr: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
-    """``flashinfer.segment_packbits(bits, indptr, bitorder="little")``: bits [indptr[-1]] (bool or 0/1) ->
-    (uint8 [new_indptr[-1]], new_indptr), each segment padded to whole bytes."""
-    if use_triton(bits):
-        return _triton().segment_packbits(bits, indptr)
-    return reference.segment_packbits(bits, indptr)
-
-
-def verify_greedy(
-    candidates: torch.Tensor,
-    first_child: torch.Tensor,
-    next_sibling: torch.Tensor,
-    target_predict: torch.Tensor,
-    width: int | None = None,
-) -> VerifyResult:
-    """Greedy verification of a batch of trees.
-
-    ``candidates`` (tokens per row), ``first_child``, ``next_sibling``, ``target_predict`` (target's argmax
-    per row): [bs, N]. Returns accepted rows [bs, width] (root first, -1 padding), accept lengths [bs] (drafted
-    nodes accepted) and bonus tokens [bs]. ``width`` caps the path like SGLang's ``num_speculative_tokens``.
-    """
-    if use_triton(candidates):
-        return _triton().verify_greedy(candidates, first_child, next_sibling, target_predict, width)
-    return reference.verify_greedy(candidates, first_child, next_sibling, target_predict, width)
 
 
 def compact_kv(
@@ -151,7 +109,7 @@ def compact_kv(
 
     ``caches``: contiguous tensors [num_slots, ...] (a paged ``[pages, page_size, H, D]`` cache as
     ``cache.flatten(0, 1)``); ``page_table`` [bs, max_pages] page ids; ``prefix_lens`` [bs] (the root sits at
-    position ``prefix_lens[b]``); ``accepted_rows`` [bs, W] (from :func:`verify_greedy`). Returns the new
+    position ``prefix_lens[b]``); ``accepted_rows`` [bs, W] (the walk's rows, root first, -1 padding). Returns the new
     sequence lengths [bs] (prefix + root + accepted nodes).
     """
     if use_triton(accepted_rows, *caches):
@@ -161,7 +119,7 @@ def compact_kv(
 
 def budget_tree(
     topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: torch.Tensor, budget: int
-) -> DeviceTree:
+) -> DraftTree:
     """The best-first budget tree of ``glance_sgl.tree.build_tree`` on device (same nodes, same order).
 
     ``topk_values`` / ``topk_ids``: [bs, D, k], sorted decreasing (``glance_sgl.tree.topk_per_offset``);

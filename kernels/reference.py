@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from glance_sgl.tree import ancestor_mask, tree_pointers
+from glance_sgl.tree import DraftTree, ancestor_mask, tree_pointers
 
 
 class TreeMeta(NamedTuple):
@@ -35,34 +35,6 @@ class TreeMeta(NamedTuple):
     positions: torch.Tensor
     first_child: torch.Tensor | None
     next_sibling: torch.Tensor | None
-
-
-class VerifyResult(NamedTuple):
-    """Outcome of greedy verification.
-
-    accepted_rows: long [bs, W], the accepted path as tree rows starting with the root (row 0), -1 padding
-    accept_lens:   long [bs], accepted drafted nodes (root and bonus excluded)
-    bonus:         long [bs], the target's choice after the last accepted row
-    """
-
-    accepted_rows: torch.Tensor
-    accept_lens: torch.Tensor
-    bonus: torch.Tensor
-
-
-class DeviceTree(NamedTuple):
-    """A batch of budget trees built on device; the fields of ``glance_sgl.tree.DraftTree``.
-
-    tokens:  long [bs, n+1] (row 0 = root)
-    parents: long [bs, n+1] (-1 for the root)
-    depths:  long [bs, n+1]
-    scores:  float32 [bs, n+1] (cumulative log-probability, 0 at the root)
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
-    scores: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- tree metadata
@@ -87,12 +59,12 @@ def tree_meta(parents: torch.Tensor, prefix_lens: torch.Tensor | None = None, po
 # ---------------------------------------------------------------------------------------------- masks
 
 
-def mask_indptr(num_rows: int, prefix_lens: Sequence[int], packed: bool) -> list[int]:
-    """Offsets of each request's segment in the flat FULL mask (bits) or in the packed mask (bytes)."""
+def mask_indptr(num_rows: int, prefix_lens: Sequence[int]) -> list[int]:
+    """Offsets of each request's segment in the flat FULL mask (bits): request b spans
+    ``num_rows * (prefix_b + num_rows)`` bits."""
     out = [0]
     for p in prefix_lens:
-        bits = num_rows * (int(p) + num_rows)
-        out.append(out[-1] + ((bits + 7) // 8 if packed else bits))
+        out.append(out[-1] + num_rows * (int(p) + num_rows))
     return out
 
 
@@ -112,10 +84,10 @@ def _full_bits(tree_mask: torch.Tensor, prefix: torch.Tensor, b: torch.Tensor, p
     return valid & ((c < prefix[b]) | in_tree)
 
 
-def _segments(num_rows: int, prefix_lens: Sequence[int], packed: bool, device: torch.device):
-    """Every flat offset of the FULL layout (bits, or bytes when ``packed``) with its request, its offset inside
-    that request's segment, and the requests' prefix lengths: (request [L], local offset [L], prefix [bs])."""
-    indptr = mask_indptr(num_rows, prefix_lens, packed=packed)
+def _segments(num_rows: int, prefix_lens: Sequence[int], device: torch.device):
+    """Every flat bit of the FULL layout with its request, its offset inside that request's segment, and the
+    requests' prefix lengths: (request [L], local offset [L], prefix [bs])."""
+    indptr = mask_indptr(num_rows, prefix_lens)
     flat = torch.arange(indptr[-1], device=device)
     b = _segment_of(flat, indptr, device)
     start = torch.tensor(indptr[:-1], dtype=torch.long, device=device)
@@ -126,75 +98,8 @@ def _segments(num_rows: int, prefix_lens: Sequence[int], packed: bool, device: t
 def full_mask(tree_mask: torch.Tensor, prefix_lens: Sequence[int]) -> torch.Tensor:
     """SGLang's flat bool FULL mask for TARGET_VERIFY: per request ``N x (prefix + N)`` (the prefix all True,
     then the tree mask), row-major, concatenated over requests. ``tree_mask`` bool [bs, N, N] -> [sum]."""
-    b, local, prefix = _segments(tree_mask.shape[1], prefix_lens, False, tree_mask.device)
+    b, local, prefix = _segments(tree_mask.shape[1], prefix_lens, tree_mask.device)
     return _full_bits(tree_mask.bool(), prefix, b, local)
-
-
-def packbits_little(bits: torch.Tensor) -> torch.Tensor:
-    """``numpy.packbits(bits, bitorder="little")`` in torch: bool/int [L] -> uint8 [ceil(L/8)]."""
-    length = bits.numel()
-    padded = torch.zeros((length + 7) // 8 * 8, dtype=torch.uint8, device=bits.device)
-    padded[:length] = bits.reshape(-1).ne(0).to(torch.uint8)
-    weights = (1 << torch.arange(8, device=bits.device, dtype=torch.int32)).to(torch.uint8)
-    return (padded.view(-1, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
-
-
-def segment_packbits(bits: torch.Tensor, indptr: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
-    """FlashInfer's ``segment_packbits(bits, indptr, bitorder="little")``: each segment packed on its own (padded
-    to a byte). Returns (uint8 [new_indptr[-1]], new_indptr)."""
-    segs = [packbits_little(bits[int(indptr[i]) : int(indptr[i + 1])]) for i in range(len(indptr) - 1)]
-    new = [0]
-    for s in segs:
-        new.append(new[-1] + s.numel())
-    return (torch.cat(segs) if segs else bits.new_zeros(0, dtype=torch.uint8)), new
-
-
-def packed_mask(tree_mask: torch.Tensor, prefix_lens: Sequence[int]) -> torch.Tensor:
-    """FlashInfer's packed custom mask: each request's FULL segment packed little-endian on its own.
-    ``tree_mask`` bool [bs, N, N] -> uint8 [sum_b ceil(N (prefix_b + N) / 8)]."""
-    dev = tree_mask.device
-    b, local_byte, prefix = _segments(tree_mask.shape[1], prefix_lens, True, dev)
-    p = local_byte[:, None] * 8 + torch.arange(8, device=dev)
-    bits = _full_bits(tree_mask.bool(), prefix, b[:, None].expand_as(p), p)
-    return packbits_little(bits.flatten())
-
-
-# ---------------------------------------------------------------------------------------------- verify
-
-
-def verify_greedy(
-    candidates: torch.Tensor,
-    first_child: torch.Tensor,
-    next_sibling: torch.Tensor,
-    target_predict: torch.Tensor,
-    width: int | None = None,
-) -> VerifyResult:
-    """Greedy walk over first-child / next-sibling pointers (SGLang's ``verify_tree_greedy`` semantics).
-
-    ``candidates`` / ``first_child`` / ``next_sibling`` / ``target_predict``: [bs, N] (tokens per row, pointers,
-    the target's argmax per row). ``width``: columns of ``accepted_rows`` (at most ``width - 1`` nodes are
-    accepted, like SGLang's ``num_speculative_tokens``); default N (no cap). One step per visited row, N steps.
-    """
-    bs, n = candidates.shape
-    width = n if width is None else width
-    dev = candidates.device
-    batch = torch.arange(bs, device=dev)
-    cur = torch.zeros(bs, dtype=torch.long, device=dev)  # last accepted row
-    cand = first_child[:, 0].long()  # child of ``cur`` being compared
-    lens = torch.zeros(bs, dtype=torch.long, device=dev)
-    rows = torch.full((bs, width), -1, dtype=torch.long, device=dev)
-    rows[:, 0] = 0
-    for _ in range(n):
-        live = (cand >= 0) & (lens < width - 1)
-        safe = cand.clamp(min=0)
-        hit = live & (candidates[batch, safe] == target_predict[batch, cur])
-        lens = lens + hit.long()
-        col = torch.where(hit, lens, torch.zeros_like(lens))
-        rows[batch, col] = torch.where(hit, safe, rows[batch, col])
-        cur = torch.where(hit, safe, cur)
-        cand = torch.where(hit, first_child[batch, safe].long(), torch.where(live, next_sibling[batch, safe].long(), cand))
-        cand = torch.where(live | hit, cand, torch.full_like(cand, -1))
-    return VerifyResult(rows, lens, target_predict[batch, cur].long())
 
 
 # ---------------------------------------------------------------------------------------------- KV compaction
@@ -242,7 +147,7 @@ def compact_kv(
 
 def budget_tree(
     topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: torch.Tensor, num_nodes: int
-) -> DeviceTree:
+) -> DraftTree:
     """Best-first budget tree, batched and without host synchronisation; equals ``glance_sgl.tree.build_tree``.
 
     Formulation: in the best-first heap, a parent's pending children pop in rank order (the top-k lists are
@@ -284,4 +189,4 @@ def budget_tree(
         deeper = d + 1 < depth_max
         live[:, t] = deeper
         cand[:, t] = sc + vals[batch, (d + 1).clamp(max=depth_max - 1), 0]
-    return DeviceTree(tokens, parents, depths, scores.float())
+    return DraftTree(tokens, parents, depths, scores.float())

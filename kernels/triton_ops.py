@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import DeviceTree, TreeMeta, VerifyResult, mask_indptr
+from glance_sgl.tree import DraftTree
+
+from .reference import TreeMeta, mask_indptr
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -79,13 +81,6 @@ def _full_bits(tree_ptr, b, p, prefix, N):
 
 
 @triton.jit
-def _pack8(bits):
-    """[BLOCK, 8] bits -> [BLOCK] uint8, little bit order (bit k of a byte is element k)."""
-    shifts = tl.arange(0, 8)
-    return tl.sum(bits.to(tl.int32) << shifts[None, :], axis=1).to(tl.uint8)
-
-
-@triton.jit
 def _full_mask_kernel(tree_ptr, prefix_ptr, indptr_ptr, out_ptr, N, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -95,143 +90,21 @@ def _full_mask_kernel(tree_ptr, prefix_ptr, indptr_ptr, out_ptr, N, BLOCK: tl.co
     tl.store(out_ptr + start + p, bits.to(tl.uint8), mask=p < N * (prefix + N))
 
 
-@triton.jit
-def _packed_mask_kernel(tree_ptr, prefix_ptr, indptr_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    byte = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    prefix = tl.load(prefix_ptr + b).to(tl.int64)
-    p = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
-    packed = _pack8(_full_bits(tree_ptr, b, p, prefix, N))
-    start = tl.load(indptr_ptr + b).to(tl.int64)
-    tl.store(out_ptr + start + byte, packed, mask=byte < (N * (prefix + N) + 7) // 8)
-
-
-@triton.jit
-def _segment_packbits_kernel(bits_ptr, indptr_ptr, new_indptr_ptr, out_ptr, BLOCK: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    byte = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    lo = tl.load(indptr_ptr + b).to(tl.int64)
-    length = tl.load(indptr_ptr + b + 1).to(tl.int64) - lo
-    p = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
-    bits = tl.load(bits_ptr + lo + p, mask=p < length, other=0) != 0
-    start = tl.load(new_indptr_ptr + b).to(tl.int64)
-    tl.store(out_ptr + start + byte, _pack8(bits), mask=byte < (length + 7) // 8)
-
-
 _MASK_BITS_PER_PROGRAM = 4096
 
 
-def _mask_launch(kernel, tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_cpu: Sequence[int], packed: bool):
+def full_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_cpu: Sequence[int]) -> torch.Tensor:
     bs, n, _ = tree_mask.shape
     dev = tree_mask.device
-    indptr = mask_indptr(n, prefix_cpu, packed)
+    indptr = mask_indptr(n, prefix_cpu)
     out = torch.empty(indptr[-1], dtype=torch.uint8, device=dev)
     longest = max((n * (int(p) + n) for p in prefix_cpu), default=0)
-    block = _MASK_BITS_PER_PROGRAM // 8 if packed else _MASK_BITS_PER_PROGRAM
-    per_block = block * 8 if packed else block
     if bs and longest:
-        grid = (bs, triton.cdiv(longest, per_block))
-        kernel[grid](
-            tree_mask.contiguous().view(torch.uint8),
-            prefix_lens.contiguous(),
-            torch.tensor(indptr, dtype=torch.long, device=dev),
-            out,
-            n,
-            BLOCK=block,
-        )
-    return out
-
-
-def full_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_cpu: Sequence[int]) -> torch.Tensor:
-    return _mask_launch(_full_mask_kernel, tree_mask, prefix_lens, prefix_cpu, packed=False).view(torch.bool)
-
-
-def packed_mask(tree_mask: torch.Tensor, prefix_lens: torch.Tensor, prefix_cpu: Sequence[int]) -> torch.Tensor:
-    return _mask_launch(_packed_mask_kernel, tree_mask, prefix_lens, prefix_cpu, packed=True)
-
-
-def segment_packbits(bits: torch.Tensor, indptr: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
-    dev = bits.device
-    lens = [int(indptr[i + 1]) - int(indptr[i]) for i in range(len(indptr) - 1)]
-    new = [0]
-    for length in lens:
-        new.append(new[-1] + (length + 7) // 8)
-    out = torch.empty(new[-1], dtype=torch.uint8, device=dev)
-    block = _MASK_BITS_PER_PROGRAM // 8
-    if lens and max(lens):
-        src = bits.contiguous().view(torch.uint8) if bits.dtype == torch.bool else bits.contiguous()
-        grid = (len(lens), triton.cdiv(max(lens), block * 8))
-        _segment_packbits_kernel[grid](
-            src,
-            torch.tensor([int(x) for x in indptr], dtype=torch.long, device=dev),
-            torch.tensor(new, dtype=torch.long, device=dev),
-            out,
-            BLOCK=block,
-        )
-    return out, new
-
-
-# ---------------------------------------------------------------------------------------------- verify
-
-
-@triton.jit
-def _verify_greedy_kernel(
-    cand_ptr, first_ptr, next_ptr, pred_ptr, rows_ptr, lens_ptr, bonus_ptr,
-    bs, N, W, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    """A block of requests per program, walked in lock-step: each step compares one child per request and
-    either descends (match) or moves to the next sibling. Rows strictly increase along a walk, so at most N
-    steps; the loop ends as soon as every request of the block is done."""
-    bidx = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    bm = bidx < bs
-    base = bidx * N
-    wcol = tl.arange(0, BLOCK_W)
-    path = tl.zeros((BLOCK_B, BLOCK_W), dtype=tl.int64) + tl.where(wcol[None, :] == 0, 0, -1)
-    cur = tl.zeros((BLOCK_B,), dtype=tl.int64)
-    lens = tl.zeros((BLOCK_B,), dtype=tl.int64)
-    cand = tl.load(first_ptr + base, mask=bm, other=-1).to(tl.int64)
-    live = bm & (cand >= 0) & (W > 1)
-    while tl.max(live.to(tl.int32)) > 0:
-        safe = tl.where(live, cand, 0)
-        tok = tl.load(cand_ptr + base + safe, mask=live, other=0)
-        want = tl.load(pred_ptr + base + cur, mask=live, other=0)
-        hit = live & (tok == want)
-        lens = lens + hit.to(tl.int64)
-        path = tl.where(hit[:, None] & (wcol[None, :] == lens[:, None]), safe[:, None], path)
-        cur = tl.where(hit, safe, cur)
-        child = tl.load(first_ptr + base + safe, mask=hit, other=-1).to(tl.int64)
-        sibling = tl.load(next_ptr + base + safe, mask=live & ~hit, other=-1).to(tl.int64)
-        cand = tl.where(hit, child, tl.where(live, sibling, -1))
-        live = live & (cand >= 0) & (lens < W - 1)
-    tl.store(rows_ptr + bidx[:, None] * W + wcol[None, :], path, mask=bm[:, None] & (wcol[None, :] < W))
-    tl.store(lens_ptr + bidx, lens, mask=bm)
-    tl.store(bonus_ptr + bidx, tl.load(pred_ptr + base + cur, mask=bm, other=0).to(tl.int64), mask=bm)
-
-
-_VERIFY_BLOCK_B = 16
-
-
-def verify_greedy(
-    candidates: torch.Tensor,
-    first_child: torch.Tensor,
-    next_sibling: torch.Tensor,
-    target_predict: torch.Tensor,
-    width: int | None = None,
-) -> VerifyResult:
-    bs, n = candidates.shape
-    width = n if width is None else int(width)
-    dev = candidates.device
-    rows = torch.empty(bs, width, dtype=torch.long, device=dev)
-    lens = torch.empty(bs, dtype=torch.long, device=dev)
-    bonus = torch.empty(bs, dtype=torch.long, device=dev)
-    if bs:
-        grid = (triton.cdiv(bs, _VERIFY_BLOCK_B),)
-        _verify_greedy_kernel[grid](
-            candidates.contiguous(), first_child.contiguous(), next_sibling.contiguous(),
-            target_predict.contiguous(), rows, lens, bonus, bs, n, width,
-            BLOCK_B=_VERIFY_BLOCK_B, BLOCK_W=_pow2(width, 2),
-        )
-    return VerifyResult(rows, lens, bonus)
+        grid = (bs, triton.cdiv(longest, _MASK_BITS_PER_PROGRAM))
+        _full_mask_kernel[grid](tree_mask.contiguous().view(torch.uint8), prefix_lens.contiguous(),
+                                torch.tensor(indptr, dtype=torch.long, device=dev), out, n,
+                                BLOCK=_MASK_BITS_PER_PROGRAM)
+    return out.view(torch.bool)
 
 
 # ---------------------------------------------------------------------------------------------- KV compaction
@@ -340,7 +213,7 @@ def _budget_tree_kernel(
 
 def budget_tree(
     topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: torch.Tensor, num_nodes: int
-) -> DeviceTree:
+) -> DraftTree:
     bs, d, k = topk_ids.shape
     r = num_nodes + 1
     dev = topk_ids.device
@@ -351,4 +224,4 @@ def budget_tree(
             topk_values.contiguous(), topk_ids.contiguous(), root_tokens.contiguous(),
             tokens, parents, depths, scores, d, k, r, BLOCK_R=_pow2(r, 16),
         )
-    return DeviceTree(tokens, parents, depths, scores)
+    return DraftTree(tokens, parents, depths, scores)
