@@ -156,9 +156,8 @@ class ManagedSGLang:
                 return False
             delay = self.policy.delay(failures)
             self._set(RESTARTING)
-            log.warning("restarting the managed SGLang server in %.1f s (failure %d within %g s; at most %d "
-                        "restarts, --sglang-max-restarts)", delay, failures, self.policy.window_s,
-                        self.policy.max_restarts)
+            log.warning("restarting the managed SGLang server in %.1f s (failure %d within the last %g s; "
+                        "--sglang-max-restarts %d)", delay, failures, self.policy.window_s, self.policy.max_restarts)
             await asyncio.sleep(delay)
             self.restarts += 1
             t0 = time.monotonic()

@@ -158,7 +158,8 @@ def managed(tmp_path_factory):
     pytest.importorskip("sglang")
     if not demo_ready():
         pytest.skip("the bundled demo checkpoints are not built")
-    gw = Gateway(tmp_path_factory.mktemp("managed"))
+    tmp = tmp_path_factory.mktemp("managed")
+    gw = Gateway(tmp)
     try:
         gw.wait_url(600)
         gw.wait_ready(120)
@@ -166,6 +167,7 @@ def managed(tmp_path_factory):
         yield gw
     finally:
         gw.stop()
+        (tmp / "gateway.log").write_text(gw.output())  # beside sglang.log, for a failure's post-mortem
 
 
 @pytest.fixture(scope="module")
