@@ -121,14 +121,14 @@ def resolve_glance_args(args: Any) -> dict[str, int]:
 
 
 def validate_server_args(server_args: Any) -> None:
-    """SGLang's ``validate_server_args`` hook: reject bad GLANCE arguments (and a bad ``GLANCE_PLANNER``) at
-    start-up."""
-    from .planning import planner_mode_from_env
+    """SGLang's ``validate_server_args`` hook: reject bad GLANCE arguments and bad GLANCE settings (every
+    variable of :mod:`glance_sgl.sglang.settings`) at start-up, before any model loads."""
+    from .settings import SettingsError, WorkerSettings
 
     resolve_glance_args(server_args)
     try:
-        planner_mode_from_env()
-    except ValueError as exc:
+        WorkerSettings.from_env()
+    except SettingsError as exc:
         raise GlanceArgsError(str(exc)) from None
 
 

@@ -9,7 +9,7 @@ SGLang 0.5.23's ``Qwen3VLForConditionalGeneration.set_dflash_layers_to_capture``
 model does not have (AttributeError), so SGLang's own DFLASH cannot run on Qwen3-VL: :func:`register_target_hooks`
 replaces it, through SGLang's HookRegistry, with the capture its ``set_eagle3_layers_to_capture`` already does.
 
-``GLANCE_SGL_DUMP_TAPS=DIR`` (tests, debugging) writes the tap features of every prefill the GLANCE worker
+``GLANCE_SGL_DUMP_TAPS=DIR`` (``WorkerSettings.dump_taps``; tests, debugging) writes the tap features of every prefill the GLANCE worker
 receives to ``DIR/prefill-NNNNN.pt`` (``taps`` [T, L*H] in drafter order, ``extend_lens``, ``prefix_lens``,
 ``input_ids``), through a HookRegistry BEFORE hook on the worker's prompt feed.
 """
@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 QWEN3_VL_DFLASH_CAPTURE = "sglang.srt.models.qwen3_vl.Qwen3VLForConditionalGeneration.set_dflash_layers_to_capture"
 FEED_PROMPT = "glance_sgl.sglang.glance_worker.GlanceWorker._feed_prompt"
-DUMP_ENV = "GLANCE_SGL_DUMP_TAPS"
 
 
 def _qwen3_vl_set_dflash_layers_to_capture(self, layer_ids):
@@ -46,27 +45,40 @@ def _qwen3_vl_set_dflash_layers_to_capture(self, layer_ids):
 _dump_counter = itertools.count()
 
 
-def _dump_prompt_taps(worker, batch, taps, *args, **kwargs):
-    """BEFORE hook of the GLANCE worker's prompt feed: save what it is handed (``GLANCE_SGL_DUMP_TAPS``)."""
-    out = Path(os.environ[DUMP_ENV])
+def dump_prompt_taps(out: Path):
+    """A BEFORE hook of the GLANCE worker's prompt feed that saves what it is handed into ``out``
+    (``WorkerSettings.dump_taps``, ``GLANCE_SGL_DUMP_TAPS``)."""
+
+    def hook(worker, batch, taps, *args, **kwargs):
+        _save_prompt_taps(out, batch, taps)
+        return None
+
+    hook.__glance_dump__ = True
+    return hook
+
+
+def _save_prompt_taps(out: Path, batch, taps) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {"taps": None if taps is None else taps.detach().float().cpu(),
               "extend_lens": [int(x) for x in batch.extend_lens],
               "prefix_lens": [int(x) for x in batch.prefix_lens],
               "input_ids": batch.input_ids.detach().cpu()}
     torch.save(record, out / f"prefill-{os.getpid()}-{next(_dump_counter):05d}.pt")
-    return None
 
 
 def register_target_hooks() -> None:
     """Register this module's HookRegistry hooks (idempotent; applied by ``load_plugins``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from .settings import WorkerSettings
+
     def register(target: str, hook, kind) -> None:
         if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
             HookRegistry.register(target, hook, kind)
 
     register(QWEN3_VL_DFLASH_CAPTURE, _qwen3_vl_set_dflash_layers_to_capture, HookType.REPLACE)
-    if os.environ.get(DUMP_ENV):
-        register(FEED_PROMPT, _dump_prompt_taps, HookType.BEFORE)
+    dump = WorkerSettings.from_env().dump_taps
+    if dump is not None and not any(getattr(h, "__glance_dump__", False)
+                                    for _, h, _ in HookRegistry._hooks.get(FEED_PROMPT, [])):
+        HookRegistry.register(FEED_PROMPT, dump_prompt_taps(dump), HookType.BEFORE)
     HookRegistry.apply_hooks()  # idempotent; also when registered outside load_plugins (tests, scripts)

@@ -127,6 +127,10 @@ def test_bad_planner_env_rejected(tmp_path, monkeypatch):
     monkeypatch.setenv("GLANCE_PLANNER", "sometimes")
     with pytest.raises(GlanceArgsError, match="GLANCE_PLANNER='sometimes': choose auto, fixed"):
         validate_server_args(_args(path))
+    monkeypatch.setenv("GLANCE_PLANNER", "auto")
+    monkeypatch.setenv("GLANCE_CUDA_GRAPH_WIDTHS", "4,x")  # every GLANCE setting is checked at start-up
+    with pytest.raises(GlanceArgsError, match="GLANCE_CUDA_GRAPH_WIDTHS"):
+        validate_server_args(_args(path))
 
 
 def test_bad_drafter_directory_rejected(tmp_path):
