@@ -205,9 +205,15 @@ class NgramSource:
             return corpus
         if not create:
             return None
-        corpus = self._corpora[key] = self._new_corpus(self.settings.corpus_capacity)
-        while len(self._corpora) > (1 if self.settings.scope == "shared" else self.settings.max_keys):
-            self._corpora.popitem(last=False)  # the least recently used tenant's answers go
+        if len(self._corpora) >= (1 if self.settings.scope == "shared" else self.settings.max_keys):
+            # the least recently used tenant's answers go; its trie is emptied (pending inserts first, so that
+            # none of them lands after the reset) and serves the new key: no allocation churn
+            _, corpus = self._corpora.popitem(last=False)
+            corpus.synchronize()
+            corpus.reset()
+        else:
+            corpus = self._new_corpus(self.settings.corpus_capacity)
+        self._corpora[key] = corpus
         return corpus
 
     # ------------------------------------------------------------------------------------------ lifecycle

@@ -136,6 +136,13 @@ def test_memory_is_bounded_and_old_answers_are_evicted():
     src.commit("late", [200])
     assert src.propose(["late"], rows=8).num_rows == 1, "the least recently used tenant's corpus was dropped"
     src.finish("late")
+    # tenant-4's corpus is tenant-2's trie, emptied and reused: none of tenant-2's answers are left in it
+    src.add_request("t4", [1], key="tenant-4")
+    src.commit("t4", [202])
+    assert src.propose(["t4"], rows=8).num_rows == 1
+    src.commit("t4", [204])
+    assert (304, 305, 306) in paths_of(src.propose(["t4"], rows=8))
+    src.finish("t4", publish=False)
     assert src.memory_bound_nodes(active_requests=4) == 2 * 512 + (4 + 2) * 1024
     # one tenant's corpus full: the oldest answers go, the newest stay, matching keeps working
     src = NgramSource(small(scope="shared", corpus_capacity=512))
