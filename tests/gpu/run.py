@@ -3,10 +3,9 @@
 Steps (each with its own time limit; the whole run stays under 8 minutes):
 
 1. ``env``: GPU, driver, torch / SGLang / FlashInfer / Triton versions;
-2. ``gpu-tests``: the Triton kernels against their torch references and FlashInfer's packed masks / tree attention
-   against the dense reference (``tests/kernels``), GLANCE vs no speculation token for token through SGLang with
-   CUDA graphs on and off and the radix cache on, fp32, and the bf16 match rate with its first divergence
-   (``tests/sglang/test_gpu.py``);
+2. ``gpu-tests``: the Triton kernels against their torch references (``tests/kernels``), GLANCE vs no
+   speculation token for token through SGLang (FlashInfer's custom-mask attention) with CUDA graphs on and off and
+   the radix cache on, fp32, and the bf16 match rate with its first divergence (``tests/sglang/test_gpu.py``);
 3. ``scale-timing``: a random-weight target with Qwen2.5-VL-7B's text shapes and a drafter sized for it, built on
    the device: verify pass at 1 / 8 / 16 / 32 rows and drafter pass at batch 1 / 8 / 32, with and without CUDA
    graphs, and the speedup each tau would give (``python -m glance_sgl.scale_timing``);
