@@ -286,8 +286,10 @@ class NgramSource:
 
     # ------------------------------------------------------------------------------------------ proposing
     def root(self, rid: Hashable) -> int:
-        """The token a proposal for ``rid`` starts from: its last token (the last committed one)."""
-        return self._requests[rid].tail[-1]
+        """The token a proposal for ``rid`` starts from: its last token (the last committed one); -1 while it has
+        none (an empty prompt and nothing committed)."""
+        tail = self._requests[rid].tail
+        return tail[-1] if tail else -1
 
     def propose(self, rids: Sequence[Hashable], rows: int | Sequence[int],
                 acceptance: SourceAcceptance | None = None, roots: Sequence[int] | None = None,
@@ -304,11 +306,12 @@ class NgramSource:
         root alone, padded (``pack_trees``).
         """
         budgets = _rows_per_request(rows, len(rids))
-        known = [rid in self._requests for rid in rids]
+        known = [rid in self._requests and bool(self._requests[rid].tail) for rid in rids]
         if roots is None:
             if not all(known):
                 missing = [rid for rid, k in zip(rids, known) if not k]
-                raise ValueError(f"ngram source: requests not added and no roots given: {missing}")
+                raise ValueError(f"ngram source: requests not added (or without any token) and no roots given: "
+                                 f"{missing}")
             roots = [self.root(rid) for rid in rids]
         roots = [int(r) for r in roots]
         for b, (rid, root) in enumerate(zip(rids, roots)):

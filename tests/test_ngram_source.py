@@ -96,6 +96,12 @@ def test_matches_the_prompt_and_the_output():
     assert src.propose(["r"], rows=8, roots=[7], strict=False).tokens.tolist() == [[7]]
     with pytest.raises(ValueError):
         src.add_request("r", [1, 2])
+    src.add_request("empty", [])  # no token yet: nothing to start from but the round's root
+    with pytest.raises(ValueError):
+        src.propose(["empty"], rows=8)
+    assert src.propose(["empty"], rows=8, roots=[3]).tokens.tolist() == [[3]]
+    src.commit("empty", [53])
+    assert src.propose(["empty"], rows=8).tokens[0, 0] == 53
 
 
 def test_skip_tokens_split_the_prompt():
