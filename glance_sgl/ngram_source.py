@@ -5,10 +5,10 @@ matcher behind SGLang's NGRAM, JIT-built through tvm_ffi on first use). A reques
 corpora, both matched on the request's last ``max_trie_depth`` tokens:
 
 - its own corpus: its prompt tokens and its committed output (one small trie per request, reused from a pool);
-- a cross-request corpus of recent answers (the committed outputs of finished requests, never their prompts),
-  scoped by ``NgramSettings.scope``: ``shared`` (one corpus for every request), ``per-key`` (one per API key /
-  tenant, the least recently used dropped beyond ``max_keys``) or ``off`` (none: a request matches its own
-  tokens only).
+- a cross-request corpus of recent answers (committed outputs, never prompts: published round by round, or when
+  a request finishes, ``NgramSettings.publish``), scoped by ``NgramSettings.scope``: ``shared`` (one corpus for
+  every request), ``per-key`` (one per API key / tenant, the least recently used dropped beyond ``max_keys``) or
+  ``off`` (none: a request matches its own tokens only).
 
 Every corpus is a trie of at most a fixed number of nodes (``corpus_capacity`` / ``request_capacity``; SGLang
 preallocates them and evicts the least recently used leaves when full), so memory is bounded whatever the
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 SCOPES = ("shared", "per-key", "off")
 MATCH_TYPES = ("BFS", "PROB")
+PUBLISH = ("live", "finished")
 _ANON_KEY = ""  # per-key scope: requests without a key share this tenant's corpus
 
 _IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
@@ -75,7 +76,10 @@ class NgramSettings:
     max_keys:         ``per-key``: tenant corpora kept, the least recently used dropped beyond it
     max_pooled:       finished requests' own corpora kept for reuse (each holds ``request_capacity`` nodes and
                       one idle SGLang insert thread)
-    max_answer_tokens: tokens of a finished answer published to the cross-request corpus (its first ones)
+    publish:          ``live``: a request's committed output joins its cross-request corpus round by round, so
+                      concurrent requests match each other's answers as they are written (as SGLang's NGRAM);
+                      ``finished``: only when the request finishes
+    max_answer_tokens: tokens of an answer published to the cross-request corpus (its first ones)
     skip_tokens:      token ids never matched in prompts (e.g. the image placeholder): the prompt is split there
     """
 
@@ -90,6 +94,7 @@ class NgramSettings:
     request_capacity: int = 16_384
     max_keys: int = 32
     max_pooled: int = 8
+    publish: str = "live"
     max_answer_tokens: int = 4096
     skip_tokens: tuple[int, ...] = field(default_factory=tuple)
 
@@ -117,6 +122,8 @@ class NgramSettings:
             raise ValueError(f"ngram max_keys must be >= 1, got {self.max_keys}")
         if self.max_pooled < 0:
             raise ValueError(f"ngram max_pooled must be >= 0, got {self.max_pooled}")
+        if self.publish not in PUBLISH:
+            raise ValueError(f"ngram publish must be one of {', '.join(PUBLISH)}, got {self.publish!r}")
         if self.max_answer_tokens < 0:
             raise ValueError(f"ngram max_answer_tokens must be >= 0, got {self.max_answer_tokens}")
         self.skip_tokens = tuple(int(t) for t in self.skip_tokens)
@@ -257,15 +264,21 @@ class NgramSource:
         req.total += len(tokens)
         room = s.max_answer_tokens - len(req.answer)
         if room > 0:
+            if s.publish == "live":  # the answer's new n-grams (answer tokens only: never the prompt's)
+                corpus = self._cross(req.key, create=True)
+                if corpus is not None:
+                    corpus.batch_put([req.answer[-(s.max_trie_depth - 1):] + tokens[:room]])
+                    self.published_tokens += min(room, len(tokens))
             req.answer.extend(tokens[:room])
 
     def finish(self, rid: Hashable, publish: bool = True) -> None:
-        """``rid`` is done: its answer joins its cross-request corpus (``publish``; not with scope ``off``) and
-        its own corpus is reset for reuse."""
+        """``rid`` is done: its answer joins its cross-request corpus (``publish``, with ``publish="finished"``
+        settings; live publishing has put it there already; never with scope ``off``) and its own corpus is reset
+        for reuse."""
         req = self._requests.pop(rid, None)
         if req is None:
             return
-        if publish and len(req.answer) > 1:
+        if publish and self.settings.publish == "finished" and len(req.answer) > 1:
             corpus = self._cross(req.key, create=True)
             if corpus is not None:
                 corpus.batch_put([req.answer])

@@ -23,7 +23,7 @@ from glance_sgl.tree import (
     pack_trees,
 )
 from glance_sgl.verify import WalkResult
-from test_tree import (
+from tests.test_tree import (
     SPECS,
     TableTarget,
     ar_decode,
@@ -51,7 +51,8 @@ def test_settings_are_validated():
     assert NgramSettings().validate().scope == "shared"
     for bad in (dict(scope="tenant"), dict(match_type="DFS"), dict(max_trie_depth=1), dict(max_nodes=0),
                 dict(max_depth=0), dict(min_bfs_breadth=3, max_bfs_breadth=2), dict(corpus_capacity=10),
-                dict(request_capacity=10**9), dict(max_keys=0), dict(max_pooled=-1), dict(max_answer_tokens=-1)):
+                dict(request_capacity=10**9), dict(max_keys=0), dict(max_pooled=-1), dict(max_answer_tokens=-1),
+                dict(publish="never")):
         with pytest.raises(ValueError):
             NgramSettings(**bad).validate()
         with pytest.raises(ValueError):
@@ -130,7 +131,22 @@ def test_cross_request_corpus_scopes(scope):
     check_tree_invariants(tree)
     same, other = (41, 42, 43, 44, 45) in paths_of(tree, 0), (41, 42, 43, 44, 45) in paths_of(tree, 1)
     assert (same, other) == {"shared": (True, True), "per-key": (True, False), "off": (False, False)}[scope]
-    assert src.stats()["corpora"] == {"shared": 1, "per-key": 1, "off": 0}[scope]
+    assert src.stats()["corpora"] == {"shared": 1, "per-key": 2, "off": 0}[scope]  # b1's answer started one
+
+
+@pytest.mark.parametrize("publish", ["live", "finished"])
+def test_live_publishing_lets_concurrent_requests_match(publish):
+    src = NgramSource(small(scope="shared", publish=publish))
+    src.add_request("writer", [1, 2, 3])
+    src.commit("writer", [60, 61, 62, 63, 64])
+    src.add_request("reader", [7, 8])
+    src.commit("reader", [60])
+    live = (61, 62, 63, 64) in paths_of(src.propose(["reader"], rows=8))
+    assert live == (publish == "live")
+    src.finish("writer")
+    src.commit("reader", [9, 60])
+    assert (61, 62, 63, 64) in paths_of(src.propose(["reader"], rows=8)), "a finished answer is there either way"
+    assert src.stats()["published_tokens"] == {"live": 5 + 3, "finished": 5}[publish]  # live: the reader's too
 
 
 def test_memory_is_bounded_and_old_answers_are_evicted():
@@ -191,7 +207,8 @@ def test_round_adapter_feeds_and_proposes():
     assert cands.propose(batch, rows=6).tokens[0, 0] == 9
     assert cands.source._requests["r"].answer == [8, 9], "its answer so far, less the dropped bonus"
     cands.finish("r")
-    assert cands.source.stats()["requests"] == 0 and cands.source.stats()["published_tokens"] == 2
+    # published live as committed (the dropped bonus included: it had been committed when it was published)
+    assert cands.source.stats()["requests"] == 0 and cands.source.stats()["published_tokens"] == 3
 
 
 @pytest.mark.parametrize("scope", ["shared", "off"])
