@@ -14,13 +14,18 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import GlanceConfig
+from .tree import DraftTree, build_tree, chain_tree, topk_per_offset
+
+if TYPE_CHECKING:
+    from .round import RoundBatch
+    from .verify import WalkResult
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -431,4 +436,52 @@ def draft_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-__all__ = ["GlanceDrafter", "DrafterCache", "draft_logprobs", "apply_rope", "RMSNorm"]
+class CachedDrafter:
+    """The block drafter as one request's candidate source (``glance_sgl.round.CandidateSource``), over its own
+    :class:`DrafterCache` (the embedded engine: a batch of one).
+
+    ``cache`` holds the context features of every committed token but the root (the last one); ``stash`` the tap
+    features [n, L*H] of tokens committed since the drafter last ran, appended to ``cache`` in one call before
+    its next pass (a run of rounds without drafting costs one projection when drafting resumes). ``chain``: the
+    width-1 ablation (top-1 per offset) instead of the best-first tree over the top ``branch_k``.
+    """
+
+    source_id = 0
+
+    def __init__(self, drafter: GlanceDrafter, cache: DrafterCache, branch_k: int, chain: bool = False) -> None:
+        self.drafter, self.cache, self.branch_k, self.chain = drafter, cache, branch_k, chain
+        self.stash: list[torch.Tensor] = []
+
+    @classmethod
+    def start(cls, drafter: GlanceDrafter, prompt_taps: torch.Tensor, branch_k: int, chain: bool = False
+              ) -> "CachedDrafter":
+        """A request's drafter with the prompt's tap features [P, L*H] in its context."""
+        n = prompt_taps.shape[0]
+        cache = drafter.new_cache(1, capacity=max(256, 2 * n))
+        drafter.extend_context(cache, prompt_taps[None], torch.tensor([n]))
+        return cls(drafter, cache, branch_k, chain)
+
+    def flush(self) -> None:
+        """The stashed tokens' context K/V into the cache, in one projection."""
+        if self.stash:
+            taps = self.stash[0] if len(self.stash) == 1 else torch.cat(self.stash)
+            self.stash.clear()
+            self.drafter.extend_context(self.cache, taps[None], torch.tensor([taps.shape[0]]))
+
+    def propose(self, batch: "RoundBatch", rows: int) -> DraftTree:
+        """One drafter pass for the block ``[root, MASK...]`` and the best-first tree of ``rows - 1`` nodes (or
+        the chain) built from it: fields [1, <= rows]."""
+        self.flush()
+        roots = batch.roots
+        logits = self.drafter.draft_block(self.cache, roots.to(self.drafter.fc.weight.device))
+        values, ids = topk_per_offset(draft_logprobs(logits), 1 if self.chain else self.branch_k)
+        return chain_tree(values, ids, roots) if self.chain else build_tree(values, ids, roots, rows - 1)
+
+    def commit(self, batch: "RoundBatch", taps: torch.Tensor, walk: "WalkResult") -> None:
+        """Stash the tap features of the committed rows (root + accepted; ``taps`` [1, R, L*H])."""
+        n = int(walk.accept_lens[0]) + 1
+        self.stash.append(taps[0] if taps.shape[1] == n == 1 else
+                          taps[0, walk.accepted_rows[0, :n].to(taps.device)])
+
+
+__all__ = ["GlanceDrafter", "DrafterCache", "CachedDrafter", "draft_logprobs", "apply_rope", "RMSNorm"]

@@ -3,7 +3,9 @@
 The decoding loop reads like gpt-fast's ``generate.py``: ``prefill`` gives the first token, then
 ``speculative_round`` (GLANCE) or ``ar_step`` (the autoregressive baseline) runs until EOS, a stop string, the
 token limit or cancellation. Committed tokens stream out through a callback or :meth:`GlanceEngine.stream`.
-The algorithm itself lives in ``drafter``, ``tree`` and ``verify``; this module only drives it.
+The round itself is ``glance_sgl.round`` (the SGLang worker's too), run here as a batch of one over the request's
+Hugging Face cache (``target.CachePass``) and its drafter context (``drafter.CachedDrafter``); this module keeps
+the requests, streaming and output handling.
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
-import glance_kernels
 import torch
 
-from .drafter import DrafterCache, GlanceDrafter, draft_logprobs
-from .metrics import RequestMetrics, entropies_nats, entropy_nats
+from .drafter import CachedDrafter, GlanceDrafter
+from .metrics import RequestMetrics, entropy_nats
 from .special_tokens import SpecialTokenGuard, special_token_message
-from .planner import (PLANNER_MODES, CostModel, Planner, PlannerMode, calibrate, cost_key, default_row_grid, load_costs,
-                      save_costs)
-from .target import PreparedPrompt, RowsOutput, TargetAdapter, TargetError, TargetState
-from .tree import DraftTree, build_tree, chain_tree, max_tree_size, topk_per_offset
-from .verify import SamplingSpec, target_choices, verify_tree
+from .planner import (PLANNER_MODES, AlwaysDraft, CostModel, Planner, PlannerMode, cost_key, default_row_grid,
+                      load_costs, save_costs)
+from .round import RoundBatch, calibrate_round, speculative_round
+from .target import CachePass, PreparedPrompt, RowsOutput, TargetAdapter, TargetError, TargetState
+from .tree import max_tree_size
+from .verify import SamplingSpec, target_choices
 
 Mode = Literal["glance", "chain", "ar"]
 MAX_STOP_STRINGS = 8
@@ -113,19 +115,15 @@ class GenerationResult:
 
 
 @dataclass
-class DraftState:
-    """A request's drafter side across rounds.
+class SpeculativeRequest:
+    """A request's side of the speculative round: its planner key ``rid``, the ``policy`` that plans its rounds
+    (a :class:`Planner`, or ``AlwaysDraft`` for the chain), its drafter (the candidate source over its drafter
+    context) and its target pass."""
 
-    ``cache`` holds the context features of every committed token but the root (the last one); ``stash`` the
-    tap features [1, L*H] of tokens committed by rounds without drafting, appended to ``cache`` in one call when
-    drafting resumes; ``lead_entropy`` is the entropy (nats) of the target distribution that produced the root.
-    """
-
-    cache: DrafterCache
     rid: int
-    planner: Planner | None
-    lead_entropy: float | None = None
-    stash: list[torch.Tensor] = field(default_factory=list)
+    policy: Planner | AlwaysDraft
+    drafter: CachedDrafter
+    target: CachePass
 
 
 @dataclass
@@ -330,25 +328,17 @@ class GlanceEngine:
     @torch.no_grad()
     def _calibrate(self, key: str) -> CostModel:
         """Time target passes over 1 .. max_nodes+1 rows and the drafter pass (+ top-k + tree) on a short
-        text prompt."""
+        text prompt, through the round's own adapters (``glance_sgl.round.calibrate_round``)."""
         assert self.drafter is not None
         prompt = self.target.prepare([{"role": "user", "content": "calibration " * 24}])
         taps = self.drafter.config.tap_layers
         state, rows = self.target.prefill(prompt, taps=taps)
-        dcache = self._start_drafter(rows.taps)
-        root = int(prompt.input_ids[0, -1])
-        empty = torch.zeros(0, dtype=torch.long)
-
-        def run_verify(r: int, _batch: int) -> None:
-            self.target.forward_rows(state, torch.full((r,), root, dtype=torch.long), torch.arange(r),
-                                     torch.ones(r, r, dtype=torch.bool).tril(), taps=taps)
-            self.target.keep_rows(state, r, empty)
-
-        def run_draft(_batch: int) -> None:
-            self._draft_full_tree(dcache, root, self.max_nodes)
-
-        costs = calibrate(run_verify, run_draft, [(r, 1) for r in default_row_grid(self.max_nodes + 1)], [1],
-                          repeats=15, key=key, smooth=True)
+        source = CachedDrafter.start(self.drafter, rows.taps, self.branch_k)
+        batch = RoundBatch(["calibration"], prompt.input_ids[0, -1:].cpu(), torch.zeros(1, dtype=torch.long),
+                           [SamplingSpec()])
+        costs = calibrate_round(CachePass(self.target, state, taps), [source], batch,
+                                default_row_grid(self.max_nodes + 1), self.max_nodes + 1, repeats=15, key=key,
+                                smooth=True)
         save_costs(costs)
         return costs
 
@@ -457,10 +447,13 @@ class GlanceEngine:
         self.check_fits(prompt, params)
         state, rows = self.target.prefill(prompt, taps=self._taps(mode))
         first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec)[0])
-        draft = None
+        request = None
         if mode != "ar":
-            draft = DraftState(self._start_drafter(rows.taps), next(self._rids), planner,
-                               lead_entropy=entropy_nats(rows.logits[-1]))
+            policy = planner if planner is not None else AlwaysDraft(self.block_size - 1)
+            request = SpeculativeRequest(next(self._rids), policy,
+                                         CachedDrafter.start(self.drafter, rows.taps, self.branch_k, mode == "chain"),
+                                         CachePass(self.target, state, self._taps(mode)))
+            policy.begin(request.rid, entropy_nats(rows.logits[-1]))
         k = params.logprobs
         out.add([first], token_logprobs(rows.logits[-1:], [first], k) if k is not None else None)
         metrics.prefill_ms = prepare_ms + (time.perf_counter() - t0) * 1000.0
@@ -472,14 +465,14 @@ class GlanceEngine:
                 if should_stop is not None and should_stop():
                     out.finish_reason = "cancelled"
                     break
-                if draft is None:
+                if request is None:
                     token, ar_rows = self._ar_pass(state, out.token_ids, spec)
                     new_tokens = [token]
                     kept = out.add(new_tokens, token_logprobs(ar_rows.logits, new_tokens, k) if k is not None
                                    else None)
                     metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None)
                 else:
-                    new_tokens, rec = self.speculative_round(state, draft, out.token_ids, spec, mode)
+                    new_tokens, rec = self.speculative_round(request, out.token_ids, spec)
                     kept = out.add(new_tokens, token_logprobs(rec.choice_logits, new_tokens, k) if k is not None
                                    else None)
                     metrics.record_round(drafted=rec.nodes, accepted=rec.accepted, committed=kept,
@@ -487,8 +480,8 @@ class GlanceEngine:
                                          drafter_ran=rec.drafter_ran)
                 self._emit(on_delta, out, new_tokens[:kept])
         finally:
-            if draft is not None and draft.planner is not None:
-                draft.planner.forget(draft.rid)
+            if request is not None:
+                request.policy.forget(request.rid)
         metrics.decode_ms = (time.perf_counter() - t1) * 1000.0
         metrics.completion_tokens = len(out.token_ids)
         return GenerationResult(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
@@ -505,97 +498,34 @@ class GlanceEngine:
         """Target choices for rows ``logits`` [R, V] at ``depths`` [R]; output index of depth 0 is next_index."""
         return target_choices(logits[None], depths[None], torch.tensor([next_index]), [spec])[0]
 
-    def _start_drafter(self, prompt_taps: torch.Tensor) -> DrafterCache:
-        """The head's cache holding the prompt's context features."""
-        assert self.drafter is not None
-        n = prompt_taps.shape[0]
-        dcache = self.drafter.new_cache(1, capacity=max(256, 2 * n))
-        self.drafter.extend_context(dcache, prompt_taps[None], torch.tensor([n]))
-        return dcache
-
-    def _draft_full_tree(self, dcache: DrafterCache, root: int, budget: int, chain: bool = False) -> DraftTree:
-        """One drafter pass for the block ``[root, MASK...]`` and the best-first tree of ``budget`` nodes (or
-        the width-1 chain) built from it."""
-        assert self.drafter is not None
-        logits = self.drafter.draft_block(dcache, torch.tensor([root], device=self.target.device))
-        values, ids = topk_per_offset(draft_logprobs(logits), 1 if chain else self.branch_k)
-        roots = torch.tensor([root])
-        return chain_tree(values, ids, roots) if chain else build_tree(values, ids, roots, budget)
-
-    def draft_tree(self, dcache: DrafterCache, root: int, mode: Mode) -> DraftTree:
-        """One drafter pass and the engine's fixed tree (``budget`` nodes, or the chain in mode "chain")."""
-        return self._draft_full_tree(dcache, root, self.budget, chain=mode == "chain")
-
-    def speculative_round(
-        self, state: TargetState, draft: DraftState, committed: list[int], spec: SamplingSpec, mode: Mode
-    ) -> tuple[list[int], RoundRecord]:
-        """One round: ask the planner whether to draft and how big a tree to verify, verify it in one target
-        pass, keep the accepted KV and feed the head. A round without drafting is an AR step whose tap features
-        wait in ``draft.stash``. Returns (tokens to commit, what the round did)."""
-        assert self.drafter is not None
-        planner, rid, lead = draft.planner, [draft.rid], [draft.lead_entropy]
-        taps = self.drafter.config.tap_layers
-        if planner is not None and not planner.gate(rid, lead):
-            plan = planner.skip(rid)
-            t0 = time.perf_counter()
-            token, rows = self._ar_pass(state, committed, spec, taps)
-            planner.costs.observe_verify(1, 1, (time.perf_counter() - t0) * 1000.0)
-            draft.stash.append(rows.taps)
-            # the entropy costs a pass over the vocabulary: only when the next gate reads it
-            entropy = entropy_nats(rows.logits[0]) if planner.wants_entropy(draft.rid) else None
-            draft.lead_entropy = entropy
-            return [token], RoundRecord(0, 0, entropy, plan.expected_tokens[0], drafter_ran=False,
-                                        choice_logits=rows.logits[:1])
-
-        t0 = time.perf_counter()
-        if draft.stash:  # tokens committed without drafting join the head's context in one call
-            stash = torch.cat(draft.stash)
-            self.drafter.extend_context(draft.cache, stash[None], torch.tensor([stash.shape[0]]))
-            draft.stash.clear()
-        t1 = time.perf_counter()
-        if planner is None:
-            tree, plan = self.draft_tree(draft.cache, committed[-1], mode), None
-        else:
-            tree = self._draft_full_tree(draft.cache, committed[-1], planner.max_nodes)
-            t2 = time.perf_counter()
-            plan = planner.choose(rid, tree.scores, tree.depths)
-            tree = tree.prefix(plan.nodes + 1)
-            planner.costs.observe_draft(1, (t2 - t1) * 1000.0)
-        t3 = time.perf_counter()
-        # Triton on CUDA, glance_sgl.tree's torch code elsewhere; only the mask is needed here
-        meta = glance_kernels.tree_meta(tree.parents, pointers=False)
-        t4 = time.perf_counter()
-        rows = self.target.forward_rows(state, tree.tokens[0], tree.depths[0], meta.tree_mask[0], taps=taps)
-        t5 = time.perf_counter()
-        logits = rows.logits[None].cpu()
-        walk = verify_tree(tree.tokens, tree.parents, tree.depths, logits, torch.tensor([len(committed)]), [spec])
-        accepted = int(walk.accept_lens[0])
-        path = walk.accepted_rows[0, : accepted + 1]  # root + accepted nodes
-        if tree.num_rows > accepted + 1:
-            self.target.keep_rows(state, tree.num_rows, path)
-        self.drafter.extend_context(draft.cache, rows.taps[path.to(rows.taps.device)][None],
-                                    torch.tensor([accepted + 1]))
-        # the root's entropy (metrics, the entropy table) and the lead entropy of the next round, in one pass
-        root_entropy, draft.lead_entropy = entropies_nats(logits[0, path[[0, -1]]])
-        if planner is not None and plan is not None:
-            planner.observe(rid, plan, lead, [accepted], tree, walk)
-            t6 = time.perf_counter()
-            planner.costs.observe_verify(tree.num_rows, 1, (t5 - t4) * 1000.0)
-            planner.costs.observe_overhead((t1 - t0 + t4 - t3 + t6 - t5) * 1000.0)
-        predicted = plan.expected_tokens[0] if plan is not None else None
-        return walk.committed(tree.tokens)[0], RoundRecord(tree.num_nodes, accepted, root_entropy, predicted, True,
-                                                           choice_logits=logits[0, path])
+    def speculative_round(self, request: SpeculativeRequest, committed: list[int], spec: SamplingSpec
+                          ) -> tuple[list[int], RoundRecord]:
+        """One round of ``glance_sgl.round`` for this request (a batch of one): the planner decides whether to
+        draft and how big a tree to verify, one target pass verifies it, the accepted KV stays and the drafter
+        is fed (deferred: a round without drafting is an AR step whose tap features wait for the next drafter
+        pass). Returns (tokens to commit, what the round did)."""
+        batch = RoundBatch([request.rid], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [spec])
+        r = speculative_round(batch, request.policy, [request.drafter], request.target,
+                              max_depth=self.block_size - 1)
+        accepted = r.report.accepted[0]
+        logits = r.out.logits[0]
+        # a drafting round's root entropy (metrics, the entropy law); an AR round's root is the next lead, which
+        # the planner computed where a gate reads it
+        root_entropy = entropy_nats(logits[0]) if r.drafted else request.policy.lead_entropy(request.rid)
+        predicted = r.plan.expected_tokens[0] if r.plan.expected_tokens else None
+        record = RoundRecord(r.tree.num_nodes if r.drafted else 0, accepted, root_entropy, predicted, r.drafted,
+                             choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1]])
+        return r.walk.committed()[0], record
 
     def ar_step(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> list[int]:
         """One autoregressive step: the last committed token through the target, one new token out."""
         return [self._ar_pass(state, committed, spec)[0]]
 
-    def _ar_pass(self, state: TargetState, committed: list[int], spec: SamplingSpec,
-                 taps: list[int] | None = None) -> tuple[int, RowsOutput]:
-        """The last committed token through the target (capturing ``taps``): the next token and the row."""
+    def _ar_pass(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> tuple[int, RowsOutput]:
+        """The last committed token through the target: the next token and the row (the AR baseline)."""
         zero = torch.zeros(1, dtype=torch.long)
         rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
-                                        torch.ones(1, 1, dtype=torch.bool), taps=taps)
+                                        torch.ones(1, 1, dtype=torch.bool))
         return int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0]), rows
 
 

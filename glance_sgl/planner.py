@@ -1,18 +1,26 @@
 """Cost-aware planning of speculative rounds: how many tree nodes to verify, or none at all.
 
-Engine-agnostic (torch and numbers; no Hugging Face or SGLang types). Both engines call it the same way:
+Engine-agnostic (torch and numbers; no Hugging Face or SGLang types). ``glance_sgl.round`` calls it the same way
+for both engines, once per round (a batch of one in the embedded engine, SGLang's batch in the worker):
 
-1. before the drafter pass, :meth:`Planner.gate` says whether drafting pays this round for a batch, from signals
-   that cost nothing: each request's *lead entropy* (the entropy, nats, of the target distribution that produced
-   the round's root token; the previous verify or AR pass computed it) through an online entropy table, scaled by
-   the request's own recent yield; a request that stopped drafting is probed again after a back-off interval;
-2. after the drafter pass, :meth:`Planner.choose` picks the number of nodes ``n`` (0 = a plain AR step) that
+1. before any candidate source runs, :meth:`Planner.gate` says whether drafting pays this round for a batch, from
+   signals that cost nothing: each request's *lead entropy* (the entropy, nats, of the target distribution that
+   produced the round's root token; the planner computed it from the previous round's report) through an online
+   entropy table, scaled by the request's own recent yield; a request that stopped drafting is probed again after
+   a back-off interval;
+2. after the drafter pass, :meth:`Planner.choose` picks the number of nodes ``n`` (0 = the root alone) that
    maximises expected committed tokens per millisecond. A best-first tree of budget ``n`` is the first ``n`` nodes
    of the best-first tree of any larger budget, so one tree of the largest budget gives every candidate: node i's
    acceptance probability is ``exp(score_i + C[depth_i])`` (the drafter's path probability with a per-depth
    calibration ``C``), and the expected accepted drafts of budget ``n`` are the sum over its first ``n`` nodes;
-3. after the verify pass, :meth:`Planner.observe` feeds back what was accepted (per-depth calibration, entropy
-   table, per-request yield) and how long the passes took (the :class:`CostModel`).
+3. after the walk, :meth:`Planner.report` takes one :class:`RoundReport`: what was accepted (per-depth
+   calibration, entropy table, per-request yield), the rows of the pass that produced each bonus token (the next
+   lead entropies, computed only where a gate will read them) and how long the round's parts took (the
+   :class:`CostModel`).
+
+The planner owns every piece of per-request state (its :class:`RequestPlanState` and the lead entropy); an
+engine hands a request's first lead entropy to :meth:`Planner.begin` at prefill and calls :meth:`Planner.forget`
+when the request ends.
 
 The cost model holds milliseconds of the target's pass as a function of the rows it processes (batch size x rows
 per request, piecewise linear between calibrated points) and of the drafter pass by batch size. It is calibrated
@@ -31,9 +39,11 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Literal, Sequence
+from typing import Callable, Hashable, Iterable, Literal, Sequence
 
 import torch
+
+from .metrics import entropies_nats
 
 PlannerMode = Literal["auto", "fixed"]
 PLANNER_MODES = ("auto", "fixed")
@@ -139,6 +149,22 @@ class CostModel:
         if math.isfinite(ms) and ms >= 0:
             self.overhead_ms += ONLINE_RATE * (min(ms, 4 * self.overhead_ms + 1.0) - self.overhead_ms)
 
+    def observe_round(self, rows: int, batch: int, drafted: bool, drafter_ms: float, pass_ms: float,
+                      host_ms: float) -> None:
+        """One round's measured parts (ms): a drafting round refines the target-pass curve at ``rows`` per request,
+        the drafter pass at ``batch`` and the host overhead; a round without drafting is an AR step, whose host work
+        (the choice, the drafter's deferred context) is part of what an AR step costs (:meth:`observe_ar`)."""
+        if drafted:
+            self.observe_verify(rows, batch, pass_ms)
+            self.observe_draft(batch, drafter_ms)
+            self.observe_overhead(host_ms)
+        else:
+            self.observe_ar(batch, pass_ms, host_ms)
+
+    def observe_ar(self, batch: int, pass_ms: float, host_ms: float) -> None:
+        """An AR step of ``batch`` requests: the one-row point of the curve, host work included."""
+        self.observe_verify(1, batch, pass_ms + host_ms)
+
     def to_dict(self) -> dict:
         return {"key": self.key, "verify_rows": list(self.verify_rows), "verify_ms": list(self.verify_ms_at),
                 "draft_batch": list(self.draft_batch), "draft_ms": list(self.draft_ms_at),
@@ -203,7 +229,7 @@ def calibrate(
     return CostModel(xs, ys, bs, [dbest[b] for b in bs], 0.0, key)
 
 
-CALIBRATION_VERSION = 5  # bumped when calibrate() measures differently: older cached calibrations are not reused
+CALIBRATION_VERSION = 6  # bumped when calibrate() measures differently: older cached calibrations are not reused
 
 
 def _non_decreasing(ys: list[float]) -> list[float]:
@@ -415,6 +441,40 @@ class Plan:
 
 
 @dataclass
+class RoundReport:
+    """What one round did, for :meth:`Planner.report` (one call per round, whatever the engine).
+
+    ``rids``: the batch's requests; ``plan``: what the planner picked (``skip``'s plan for a round without
+    drafting); ``rows``: rows per request the target pass verified (1 = an AR step; may exceed ``plan.nodes + 1``
+    where the engine rounds up to a captured width); ``accepted``: accepted drafted nodes per request (bonus
+    excluded); ``tree`` / ``walk``: the verified ``DraftTree`` and its ``WalkResult`` (the per-depth calibration;
+    None skips it); ``lead_logits``: [bs, V] the target's logits at the row that produced each request's bonus
+    token (the next lead entropies; None keeps the current ones); ``drafter_ms`` / ``pass_ms`` / ``host_ms``:
+    the candidate sources' time, the target pass's, and the round's other host work (choice, walk, KV keep,
+    feeding the sources), wall ms; None where not measured (the cost model is left as it is).
+    """
+
+    rids: Sequence[Hashable]
+    plan: "Plan"
+    rows: int
+    accepted: Sequence[int]
+    tree: object = None
+    walk: object = None
+    lead_logits: torch.Tensor | None = None
+    drafter_ms: float | None = None
+    pass_ms: float | None = None
+    host_ms: float | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.rids)
+
+    @property
+    def drafted(self) -> bool:
+        return self.plan.drafted
+
+
+@dataclass
 class Planner:
     """Per-round tree sizes from a cost model and an acceptance predictor (see the module docstring).
 
@@ -434,6 +494,9 @@ class Planner:
     depth: DepthCalibration = field(init=False)
     entropy: EntropyTable = field(init=False)
     requests: dict[object, RequestPlanState] = field(default_factory=dict)
+    # per request: the entropy (nats) of the target distribution that produced its newest token, None where no
+    # gate will read it (kept apart from ``requests``, whose entry a request gets at its first gate)
+    leads: dict[object, float | None] = field(default_factory=dict)
     # decayed counts over all requests of probes that paid and of all probes (a prior of one paying probe in two)
     probes_paid: float = 1.0
     probes: float = 2.0
@@ -461,7 +524,22 @@ class Planner:
         return st
 
     def forget(self, rid: object) -> None:
+        """Drop everything kept for request ``rid`` (it ended)."""
         self.requests.pop(rid, None)
+        self.leads.pop(rid, None)
+
+    def known(self) -> set:
+        """Requests the planner keeps state for."""
+        return set(self.requests) | set(self.leads)
+
+    def begin(self, rid: object, lead_entropy: float | None) -> None:
+        """A request's first lead entropy (nats; from the prefill pass's last row), or a new one after the engine
+        recomputed its prefix (SGLang's retraction)."""
+        self.leads[rid] = lead_entropy
+
+    def lead_entropy(self, rid: object) -> float | None:
+        """The request's lead entropy: of the distribution that produced its newest token (None: not computed)."""
+        return self.leads.get(rid)
 
     # ------------------------------------------------------------ step 1: draft or not
     def predicted_accept(self, rid: object, lead_entropy: float | None) -> float:
@@ -472,14 +550,9 @@ class Planner:
         prior = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
         return (PRIOR_ROUNDS * prior + st.recent_accepted) / (PRIOR_ROUNDS + st.recent_rounds)
 
-    def wants_entropy(self, rid: object) -> bool:
-        """Whether the next :meth:`gate` may read this request's lead entropy, asked after a round without
-        drafting (an engine that computes it on the host can skip it otherwise): not while the request's drafting
-        is paused or held back."""
-        return not self.state(rid).drafting_off
-
-    def gate(self, rids: Sequence[object], lead_entropies: Sequence[float | None]) -> bool:
-        """Whether this batch runs the drafter. Cheap: no tensor work. Counts a probe as drafting."""
+    def gate(self, rids: Sequence[object]) -> bool:
+        """Whether this batch runs the drafter, from each request's lead entropy and record. Cheap: no tensor
+        work. Counts a probe as drafting."""
         if self.mode == "fixed":
             return True
         states = [self.state(r) for r in rids]
@@ -491,7 +564,7 @@ class Planner:
             return True
         if all(st.drafting_off for st in states):
             return False
-        return self._pays(rids, lead_entropies, states)
+        return self._pays(rids, [self.leads.get(r) for r in rids], states)
 
     def _pays(self, rids: Sequence[object], lead_entropies: Sequence[float | None],
               states: Sequence[RequestPlanState]) -> bool:
@@ -547,18 +620,31 @@ class Planner:
         return Plan(n, curve[:, n].tolist(), raw_accept=raw[:, n].tolist())
 
     # ------------------------------------------------------------ step 3: feedback
-    def observe(self, rids: Sequence[object], plan: Plan, lead_entropies: Sequence[float | None],
-                accept_lens: Sequence[int], tree=None, walk=None) -> None:
-        """What a drafted round accepted. ``tree`` / ``walk``: the verified ``DraftTree`` (truncated to the plan)
-        and its ``WalkResult`` (for the per-depth calibration; None skips it)."""
-        if not plan.drafted:
-            return
+    def report(self, report: RoundReport) -> None:
+        """One round's outcome: acceptance (drafting rounds), the next lead entropies and the measured costs."""
+        leads = [self.leads.get(r) for r in report.rids]
+        if report.drafted:
+            self._observe_accepts(report, leads)
+        if report.lead_logits is not None:
+            # the entropy costs a pass over the vocabulary: only where the next gate may read it (not while every
+            # request of a batch that did not draft is paused or held back)
+            if report.drafted or not all(self.state(r).drafting_off for r in report.rids):
+                self.leads.update(zip(report.rids, entropies_nats(report.lead_logits)))
+            else:
+                self.leads.update((r, None) for r in report.rids)
+        if None not in (report.drafter_ms, report.pass_ms, report.host_ms):
+            self.costs.observe_round(report.rows, report.batch, report.drafted, report.drafter_ms, report.pass_ms,
+                                     report.host_ms)
+
+    def _observe_accepts(self, report: RoundReport, lead_entropies: Sequence[float | None]) -> None:
+        """What a drafted round accepted: per-depth calibration, entropy table, each request's record, probes."""
+        plan, tree, walk = report.plan, report.tree, report.walk
         if tree is not None and walk is not None and plan.nodes > 0:
             self.depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
-        bs = len(rids)
+        bs = report.batch
         round_ms, ar_ms = self.costs.round_ms(plan.nodes, bs), self.costs.ar_ms(bs)
         raw = plan.raw_accept or [0.0] * bs
-        for r, h, a, pred in zip(rids, lead_entropies, accept_lens, raw):
+        for r, h, a, pred in zip(report.rids, lead_entropies, report.accepted, raw):
             st = self.state(r)
             a = float(a)
             if plan.nodes > 0 and h is not None:
@@ -597,6 +683,38 @@ class Planner:
             st.probe_interval = min(backoff * st.probe_interval, MAX_PROBE_INTERVAL)
 
 
+class AlwaysDraft:
+    """The policy of an ablation without planning (the width-1 chain, mode "chain"): every round drafts and
+    verifies every candidate the source proposed; nothing is learned, timed or computed for it."""
+
+    mode = "always"
+
+    def __init__(self, max_nodes: int) -> None:
+        self.max_nodes = max_nodes
+
+    def gate(self, rids: Sequence[object]) -> bool:
+        return True
+
+    def skip(self, rids: Sequence[object]) -> Plan:
+        return Plan(0, [1.0] * len(rids), drafted=False)
+
+    def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor) -> Plan:
+        """Every proposed node; no prediction (``expected_tokens`` empty)."""
+        return Plan(scores.shape[1] - 1, [])
+
+    def report(self, report: RoundReport) -> None:
+        return None
+
+    def begin(self, rid: object, lead_entropy: float | None) -> None:
+        return None
+
+    def lead_entropy(self, rid: object) -> float | None:
+        return None
+
+    def forget(self, rid: object) -> None:
+        return None
+
+
 class RandomPlanner(Planner):
     """A test policy: each batch drafts with probability 2/3 and then verifies a random number of nodes
     (0 .. max), otherwise runs a plain AR step; seeded. Lossless must hold whatever a planner picks, since every
@@ -607,7 +725,7 @@ class RandomPlanner(Planner):
         super().__init__(*args, **kwargs)
         self.rng = random.Random(seed)
 
-    def gate(self, rids, lead_entropies) -> bool:
+    def gate(self, rids) -> bool:
         return self.rng.random() < 2 / 3
 
     def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor) -> Plan:
@@ -619,5 +737,6 @@ class RandomPlanner(Planner):
         return Plan(n, [1.0 + float(a) for a in raw.tolist()], raw_accept=raw.tolist())
 
 
-__all__ = ["CostModel", "Planner", "RandomPlanner", "Plan", "PlannerMode", "PLANNER_MODES", "calibrate", "cost_key",
-           "load_costs", "save_costs", "default_row_grid", "DepthCalibration", "EntropyTable", "RequestPlanState"]
+__all__ = ["CostModel", "Planner", "RandomPlanner", "AlwaysDraft", "Plan", "RoundReport", "PlannerMode", "PLANNER_MODES",
+           "calibrate", "cost_key", "load_costs", "save_costs", "default_row_grid", "DepthCalibration", "EntropyTable",
+           "RequestPlanState"]

@@ -6,7 +6,9 @@ One request at a time (batch 1 in the Hugging Face cache). What it does:
 - ``prefill``: the prompt pass, keeping the KV cache, the M-RoPE delta and the tap-layer hidden states;
 - ``forward_rows``: a tree-masked pass over packed rows (root + nodes) on top of the cache, with a FLOAT
   additive 4D mask and explicit ``(3, 1, R)`` positions ``P + depth + rope_delta`` (design §3);
-- ``keep_rows``: keep the KV entries of the prefix and of the accepted rows (index-select per layer).
+- ``keep_rows``: keep the KV entries of the prefix and of the accepted rows (index-select per layer);
+- :class:`CachePass`: the two above as one request's ``glance_sgl.round.TargetRows`` (the speculative round's
+  target adapter).
 
 Taps (``glance_sgl.config``: the tap convention): tap ``t`` is the hidden state entering decoder layer ``t + 1``
 (the final norm for the last layer), caught by a forward pre-hook there. On Qwen2.5-VL / Qwen2-VL that is decoder
@@ -21,8 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import glance_kernels
 import torch
 from torch import nn
+
+from .round import PassOutput
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
@@ -257,3 +262,37 @@ class TargetAdapter:
                     buf[..., p + start:p + n, :] = buf.index_select(-2, src)
                 setattr(layer, name, buf[..., :p + n, :])
         state.length = p + n
+
+
+class CachePass:
+    """One request's target pass for ``glance_sgl.round`` (``TargetRows``): the tree-masked pass on top of its
+    Hugging Face cache, capturing ``taps``, and the KV keep. Logits come back on the host ([1, R, V]), where the
+    walk runs."""
+
+    def __init__(self, target: TargetAdapter, state: TargetState, taps: list[int] | None) -> None:
+        self.target, self.state, self.taps = target, state, taps
+
+    def forward(self, tree) -> PassOutput:
+        """``tree``: a ``DraftTree`` [1, R]. Returns (logits [1, R, V] on the host, taps [1, R, L*H])."""
+        if tree.num_rows == 1:  # an AR step: no tree mask to build
+            ancestors = torch.ones(1, 1, dtype=torch.bool)
+        else:
+            # Triton on CUDA, glance_sgl.tree's torch code elsewhere; only the mask is needed here
+            ancestors = glance_kernels.tree_meta(tree.parents, pointers=False).tree_mask[0]
+        rows = self.target.forward_rows(self.state, tree.tokens[0], tree.depths[0], ancestors, taps=self.taps)
+        return PassOutput(rows.logits[None].cpu(), None if rows.taps is None else rows.taps[None])
+
+    def keep(self, tree, walk) -> None:
+        """Keep the root's and the accepted rows' K/V (``walk.accepted_rows``), unless every row was accepted."""
+        n = int(walk.accept_lens[0]) + 1
+        if tree.num_rows > n:
+            self.target.keep_rows(self.state, tree.num_rows, walk.accepted_rows[0, :n])
+
+    def drop(self, tree) -> None:
+        self.target.keep_rows(self.state, tree.num_rows, torch.zeros(0, dtype=torch.long))
+
+    def agree(self, value: int) -> int:
+        return value
+
+    def width(self, rows: int) -> int:
+        return rows

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from glance_sgl.planner import (EXPLORE, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG, CostModel, DepthCalibration, EntropyTable, Planner, calibrate,
-                                cost_key, default_row_grid, load_costs, save_costs)
+from glance_sgl.planner import (EXPLORE, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG, CostModel,
+                                DepthCalibration, EntropyTable, Planner, RoundReport, calibrate, cost_key,
+                                default_row_grid, load_costs, save_costs)
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, verify_tree
 
@@ -16,6 +17,18 @@ from glance_sgl.verify import SamplingSpec, verify_tree
 def linear_costs(per_row: float = 0.1, base: float = 1.0, draft: float = 0.5) -> CostModel:
     rows = default_row_grid(64)
     return CostModel(rows, [base + per_row * r for r in rows], [1, 8], [draft, 4 * draft])
+
+
+def gate(planner: Planner, rids, leads) -> bool:
+    """The planner's gate with these lead entropies (as the previous round's report would have left them)."""
+    for r, h in zip(rids, leads):
+        planner.begin(r, h)
+    return planner.gate(rids)
+
+
+def report(planner: Planner, rids, plan, accepted, tree=None, walk=None) -> None:
+    """A drafted round's report without timings (the cost model stays as it is)."""
+    planner.report(RoundReport(rids, plan, plan.nodes + 1, accepted, tree, walk))
 
 
 def random_tree(seed: int, budget: int, depth: int = 7, k: int = 3, vocab: int = 50, sharp: float = 3.0):
@@ -154,12 +167,12 @@ def test_gate_stops_drafting_for_a_request_that_never_accepts_and_probes_with_ba
     tree = random_tree(4, 15)
     drafted_rounds, probes = 0, []
     for step in range(400):
-        if planner.gate(["wild"], [0.01]):
+        if gate(planner, ["wild"], [0.01]):
             drafted_rounds += 1
             if planner.state("wild").ar_streak:
                 probes.append(step)
             plan = planner.choose(["wild"], tree.scores, tree.depths)
-            planner.observe(["wild"], plan, [0.01], [0], tree.prefix(plan.nodes + 1), None)
+            report(planner, ["wild"], plan, [0], tree.prefix(plan.nodes + 1), None)
         else:
             planner.skip(["wild"])
     assert drafted_rounds < 40  # most rounds are plain AR steps
@@ -167,7 +180,7 @@ def test_gate_stops_drafting_for_a_request_that_never_accepts_and_probes_with_ba
     assert gaps and max(gaps) >= MAX_PROBE_INTERVAL // 2  # probes thin out
     # the back-off is per request: a new request at the same entropy (which the table now says does not pay)
     # is probed after the shortest interval
-    fresh = [planner.gate(["fresh"], [0.01]) or planner.skip(["fresh"]) is None for _ in range(3)]
+    fresh = [gate(planner, ["fresh"], [0.01]) or planner.skip(["fresh"]) is None for _ in range(3)]
     assert fresh[-1] and not fresh[0]
     planner.forget("wild")
     assert "wild" not in planner.requests
@@ -177,10 +190,10 @@ def drafted_steps(planner: Planner, rid: str, tree: DraftTree, accepted: int, st
     """Run ``steps`` rounds of request ``rid`` whose drafts always get ``accepted`` drafts; the drafted steps."""
     drafted = []
     for step in range(steps):
-        if planner.gate([rid], [0.5]):
+        if gate(planner, [rid], [0.5]):
             drafted.append(step)
             plan = planner.choose([rid], tree.scores, tree.depths)
-            planner.observe([rid], plan, [0.5], [min(accepted, plan.nodes)], tree.prefix(plan.nodes + 1), None)
+            report(planner, [rid], plan, [min(accepted, plan.nodes)], tree.prefix(plan.nodes + 1), None)
         else:
             planner.skip([rid])
     planner.forget(rid)
@@ -231,19 +244,19 @@ def test_a_paying_request_is_not_paused_by_noisy_rounds_but_one_that_stops_payin
     tree = random_tree(6, 15, sharp=8.0)
     noisy = []
     for step in range(60):
-        if planner.gate(["open"], [1.5]):
+        if gate(planner, ["open"], [1.5]):
             noisy.append(step)
             plan = planner.choose(["open"], tree.scores, tree.depths)
-            planner.observe(["open"], plan, [1.5], [(5, 0, 0)[step % 3]], tree.prefix(plan.nodes + 1), None)
+            report(planner, ["open"], plan, [(5, 0, 0)[step % 3]], tree.prefix(plan.nodes + 1), None)
         else:
             planner.skip(["open"])
     assert noisy == list(range(60))
     stopped = []
     for step in range(40):
-        if planner.gate(["open"], [1.5]):
+        if gate(planner, ["open"], [1.5]):
             stopped.append(True)
             plan = planner.choose(["open"], tree.scores, tree.depths)
-            planner.observe(["open"], plan, [1.5], [0], tree.prefix(plan.nodes + 1), None)
+            report(planner, ["open"], plan, [0], tree.prefix(plan.nodes + 1), None)
         else:
             stopped.append(False)
             planner.skip(["open"])
@@ -256,14 +269,14 @@ def test_gate_keeps_drafting_where_it_pays_and_a_probe_that_pays_resets_the_back
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
     tree = random_tree(5, 15, sharp=8.0)
     for _ in range(50):
-        assert planner.gate(["doc"], [0.01])
+        assert gate(planner, ["doc"], [0.01])
         plan = planner.choose(["doc"], tree.scores, tree.depths)
-        planner.observe(["doc"], plan, [0.01], [6], tree.prefix(plan.nodes + 1), None)
+        report(planner, ["doc"], plan, [6], tree.prefix(plan.nodes + 1), None)
     st = planner.state("doc")
     st.paused, st.ar_streak, st.probe_interval = True, 8, 8  # as after a spell of AR rounds: a probe is due
-    assert planner.gate(["doc"], [3.0])
+    assert gate(planner, ["doc"], [3.0])
     plan = planner.choose(["doc"], tree.scores, tree.depths)
-    planner.observe(["doc"], plan, [3.0], [6], None, None)
+    report(planner, ["doc"], plan, [6], None, None)
     assert st.ar_streak == 0 and st.probe_interval == 2 and not st.paused
 
 
@@ -294,7 +307,7 @@ def test_fixed_tree_walk_feedback_runs_on_a_real_walk():
     walk = verify_tree(tree.tokens, tree.parents, tree.depths, logits, torch.tensor([0, 0]),
                        [SamplingSpec(), SamplingSpec()])
     before = planner.depth.hits.clone()
-    planner.observe(["a", "b"], plan, [0.1, 0.1], walk.accept_lens.tolist(), tree, walk)
+    report(planner, ["a", "b"], plan, walk.accept_lens.tolist(), tree, walk)
     assert planner.depth.hits[1] > before[1] * planner.depth.decay
 
 
@@ -317,11 +330,11 @@ def test_in_a_batch_probes_wait_until_half_the_batch_is_due_and_one_drafted_batc
         st.drafted_rounds, st.paused, st.probe_interval, st.ar_streak = 5, True, 8, 2 * i
     drafted = []
     for step in range(40):
-        if planner.gate(rids, [None] * 4):
+        if gate(planner, rids, [None] * 4):
             drafted.append(step)
             batch_tree = DraftTree(*(t.expand(4, -1) for t in (tree.tokens, tree.parents, tree.depths, tree.scores)))
             plan = planner.choose(rids, batch_tree.scores, batch_tree.depths)
-            planner.observe(rids, plan, [None] * 4, [0] * 4, None, None)
+            report(planner, rids, plan, [0] * 4)
         else:
             planner.skip(rids)
     # "d" and "c" are due at steps 2 and 4: the batch's first probe waits for the second of them
@@ -343,3 +356,26 @@ def test_calibrated_rows_are_smoothed_beyond_the_ar_step():
     smooth = _smooth_rows(xs, bumped)
     assert smooth[0] == 5.0 and abs(smooth[4] - line[4]) < 1.0 and smooth == sorted(smooth)
     assert _smooth_rows([1, 2], [5.0, 4.0]) == [5.0, 5.0]  # too few points for a line: only made non-decreasing
+
+
+def test_one_report_per_round_carries_the_lead_entropy_and_the_round_costs():
+    """The planner owns each request's lead entropy: a report's bonus-row logits give the next one, skipped where no
+    gate reads it (a paused request's AR round); the same report's timings move the cost model."""
+    planner = Planner(linear_costs(), max_nodes=15, max_depth=7)
+    tree = random_tree(3, 15)
+    coin = torch.tensor([[0.0, 0.0]])  # the bonus row: a fair coin, ln 2 nats
+    planner.begin("a", 0.3)
+    assert planner.lead_entropy("a") == 0.3 and planner.known() == {"a"}
+    plan = planner.choose(["a"], tree.scores, tree.depths)
+    overhead = planner.costs.overhead_ms
+    planner.report(RoundReport(["a"], plan, plan.nodes + 1, [1], tree.prefix(plan.nodes + 1), None, coin,
+                               drafter_ms=0.5, pass_ms=2.0, host_ms=0.8))
+    assert planner.lead_entropy("a") == pytest.approx(math.log(2), abs=1e-5)
+    assert planner.costs.overhead_ms > overhead and planner.state("a").drafted_rounds == 1
+    planner.state("a").paused = True  # drafting paused: the AR round's entropy is not computed
+    ar = planner.costs.ar_ms()
+    planner.report(RoundReport(["a"], planner.skip(["a"]), 1, [0], None, None, coin, drafter_ms=0.0, pass_ms=3 * ar,
+                               host_ms=0.0))
+    assert planner.lead_entropy("a") is None and planner.costs.ar_ms() > ar
+    planner.forget("a")
+    assert planner.known() == set()

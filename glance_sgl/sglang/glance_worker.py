@@ -1,29 +1,27 @@
 """GlanceWorker: GLANCE in SGLang's scheduler (the worker half, as ``ngram_worker.py`` is for NGRAM).
 
-Per batch it does what ``glance_sgl.engine.GlanceEngine.speculative_round`` does per request, calling the same
-algorithm (``glance_sgl.drafter`` / ``tree`` / ``verify`` and ``glance_kernels``):
+The decode step is ``glance_sgl.round.speculative_round``, the embedded engine's round too; this module keeps the
+SGLang plumbing around it:
 
 - extend (prefill, chunked or not, after a radix-cache prefix hit or not): the target's forward with its tap
   layers captured (SGLang's aux hidden-state capture, ``set_eagle3_layers_to_capture``); every extended token's
   draft K/V (projected from its tap features: KV injection) go into the draft KV pool at the token's slot
   (``draft_pool.DraftKVPool``: one slot per SGLang token slot, so cached prefixes come with theirs), and the
-  entropy of the row that produced the first token becomes the request's lead entropy;
+  entropy of the row that produced the first token becomes the request's lead entropy (``planner.begin``);
 - decode step, planned per batch by ``glance_sgl.planner`` (``GLANCE_PLANNER``: auto / fixed, see
-  ``planning.py``): ``planner.gate`` decides from the lead entropies whether the batch drafts at all. If it
-  drafts: the batch's drafter context is gathered from the draft KV pool through ``req_to_token``, one drafter
-  pass for every request's block ``[root, MASK x (B-1)]``, the best-first tree at the full budget (``N - 1``
-  nodes, ``N = --speculative-num-draft-tokens``), and ``planner.choose`` keeps its first ``nodes + 1`` rows
-  (0 nodes: the root alone). If not: a plain AR step, SGLang's own DECODE forward of the root (the batch shown
-  to it as a non-speculative decode batch for that forward). A tree of R > 1 rows gets the TARGET_VERIFY input
-  (FULL mask, positions ``prefix + depth``; SGLang adds the M-RoPE delta); either way the pass writes the first
-  R of the N KV slots SGLang reserved per request after its prefix. Then the walk where the logits are (greedy
-  at T = 0, seeded lossless sampling at T > 0; ``glance_sgl.verify``), the accepted rows' K/V moved to the front
-  of the verify window (``glance_kernels.compact_kv``), the committed rows' draft K/V written at those slots,
-  the bonus rows' entropies as the next lead entropies, the planner's feedback (acceptance and measured ms),
-  and a ``GenerationBatchResult`` whose accept lengths include the bonus token (an AR step is a verify step
-  with accept length 1; SGLang fills ``spec_verify_ct``, ``spec_accept_length``... in ``meta_info``). On CUDA
-  (or with ``GLANCE_SGL_DEVICE_STEP=1``) tree, walk and commits stay on the device: a step reads a few numbers
-  per batch on the host (the planner's), never logits or trees.
+  ``planning.py``), through two adapters bound to the batch: :class:`PoolDrafter` (the candidate source: one
+  drafter pass for every request's block ``[root, MASK x (B-1)]`` over its context gathered from the draft KV
+  pool through ``req_to_token``, the best-first tree at the full budget, ``N - 1`` nodes,
+  ``N = --speculative-num-draft-tokens``; the committed rows' draft K/V written at their slots, deferred) and
+  :class:`SGLangRows` (the target pass: a tree of R > 1 rows gets the TARGET_VERIFY input, FULL mask, positions
+  ``prefix + depth``, SGLang adding the M-RoPE delta; a 1-row tree, a plain AR step, is SGLang's own DECODE
+  forward of the root; either way the pass writes the first R of the N KV slots SGLang reserved per request
+  after its prefix; grammar masks; the accepted rows' K/V moved to the front of the verify window,
+  ``glance_kernels.compact_kv``). The round returns a ``GenerationBatchResult`` whose accept lengths include the
+  bonus token (an AR step is a verify step with accept length 1; SGLang fills ``spec_verify_ct``,
+  ``spec_accept_length``... in ``meta_info``). On CUDA (or with ``GLANCE_SGL_DEVICE_STEP=1``) tree, walk and
+  commits stay on the device: a step reads a few numbers per batch on the host (the planner's), never logits or
+  trees.
 
 KV accounting does not depend on R: SGLang reserves at least ``N`` tokens of headroom per request for every
 speculative step (``eagle_prepare_for_decode``) and commits ``accept_lens`` tokens per step; the unused reserved
@@ -52,9 +50,10 @@ import glance_kernels
 from glance_sgl.drafter import GlanceDrafter
 from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.metrics import entropies_nats
-from glance_sgl.planner import calibrate, cost_key, default_row_grid, save_costs
+from glance_sgl.planner import cost_key, default_row_grid, save_costs
+from glance_sgl.round import PassOutput, RoundBatch, RoundResult, calibrate_round, speculative_round
 from glance_sgl.tree import DraftTree, build_tree
-from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
+from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
 
 from .draft_graph import DraftPassRunner, draft_pass
 from .draft_pool import DraftKVPool, committed_slots
@@ -64,20 +63,6 @@ from .graphs import VerifyGraphs, graph_widths
 from .planning import BatchCostModel, load_batch_costs, make_planner, planner_mode_from_env
 
 logger = logging.getLogger(__name__)
-
-
-def root_tree(roots: torch.Tensor) -> DraftTree:
-    """The 1-row tree of a plain AR step: only the root [bs] is verified."""
-    zeros = torch.zeros_like(roots)[:, None]
-    return DraftTree(roots[:, None], zeros - 1, zeros, zeros.float())
-
-
-def chain_of(roots: torch.Tensor, rows: int) -> DraftTree:
-    """A ``rows``-row chain repeating each root (calibration input: the shape matters, not the tokens)."""
-    bs = roots.shape[0]
-    ar = torch.arange(rows, device=roots.device)[None, :].expand(bs, -1)
-    return DraftTree(roots[:, None].expand(-1, rows).contiguous(), (ar - 1).contiguous(), ar.contiguous(),
-                     torch.zeros(bs, rows, device=roots.device))
 
 
 def _prefill_entropies(rows: torch.Tensor) -> list[float]:
@@ -103,23 +88,6 @@ def sampling_spec(req) -> SamplingSpec:
     if seed is None:
         seed = zlib.crc32(str(req.rid).encode())
     return SamplingSpec(temperature, float(getattr(sp, "top_p", 1.0) or 1.0), int(seed))
-
-
-class _Profile:
-    """Per-phase wall times of a decode step, logged when ``GLANCE_SGL_PROFILE=1``."""
-
-    def __init__(self, on: bool) -> None:
-        self.on, self.t, self.parts = on, time.perf_counter(), []
-
-    def mark(self, name: str) -> None:
-        if self.on:
-            now = time.perf_counter()
-            self.parts.append(f"{name}={1000 * (now - self.t):.1f}ms")
-            self.t = now
-
-    def done(self, bs: int) -> None:
-        if self.on:
-            logger.warning("GLANCE step bs=%d %s", bs, " ".join(self.parts))
 
 
 class StepStats:
@@ -182,8 +150,6 @@ class GlanceWorker(BaseSpecWorker):
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_runner: DraftPassRunner | None = None
         self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
-        # per live request: the entropy (nats) of the target distribution that produced its newest token
-        self.lead: dict[str, float | None] = {}
         self._profile = os.environ.get("GLANCE_SGL_PROFILE", "") not in ("", "0")
         # the decode step on the device (tree, walk, commits: no host copy of logits or trees): always on CUDA;
         # on a CPU the host heap and walk are faster, and GLANCE_SGL_DEVICE_STEP=1 runs the device code there
@@ -201,8 +167,7 @@ class GlanceWorker(BaseSpecWorker):
         costs = cached if cached is not None else BatchCostModel.prior(key)
         self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed)
         self.stats = StepStats(self._profile)
-        self._last_decode_end: float | None = None  # when the previous decode step returned (perf_counter s)
-        self._last_ar_host_ms = 0.0  # host work of the previous step when it was an AR step
+        self._last_round_end: float | None = None  # when the previous decode step's round ended (perf_counter s)
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
                     "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
                     self.planner_mode, "cached" if cached is not None else "calibrated on the first batches")
@@ -255,27 +220,27 @@ class GlanceWorker(BaseSpecWorker):
 
     def clear_cache_pool(self):
         if self.draft_pool is not None:
-            self.draft_pool.drop_pending()
-        self.lead.clear()  # the draft K/V live in SGLang's slots: freeing the slots frees them
+            self.draft_pool.drop_pending()  # the draft K/V live in SGLang's slots: freeing the slots frees them
+        for rid in self.planner.known():  # a flush happens with no request running
+            self.planner.forget(rid)
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
-        self.lead.pop(rid, None)
         self.planner.forget(rid)
 
     def _purge(self, live: set[str]) -> None:
         """Per-request host state of requests absent from a decode batch, which holds every running request
         (absent: finished, aborted without a notice, or retracted; a retracted one's lead entropy is set again when
         it is prefilled again)."""
-        for rid in [r for r in self.lead if r not in live]:
+        for rid in self.planner.known() - live:
             self._forget(rid)
 
     @property
     def num_drafter_states(self) -> int:
-        """Requests with per-request state in the worker (a lead entropy and the planner's state)."""
-        return len(self.lead)
+        """Requests with per-request state in the worker (the planner's: lead entropy and record)."""
+        return len(self.planner.known())
 
     # ------------------------------------------------------------------ the step
     def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
@@ -290,7 +255,7 @@ class GlanceWorker(BaseSpecWorker):
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL)
         logits_output = result.logits_output
-        self._last_decode_end = None  # the next decode step's gap includes this prefill: not a scheduler cost
+        self._last_round_end = None  # the next decode step's gap includes this prefill: not a scheduler cost
         if batch.forward_mode.is_extend() and bs > 0:
             hidden = logits_output.hidden_states
             self._feed_prompt(batch, None if hidden is None else self._taps(hidden))
@@ -299,7 +264,8 @@ class GlanceWorker(BaseSpecWorker):
         predict = result.next_token_ids
         if predict is not None and bs > 0 and batch.forward_mode.is_extend():
             if logits_output.next_token_logits is not None:
-                self.lead.update(zip([r.rid for r in batch.reqs], _prefill_entropies(logits_output.next_token_logits)))
+                for req, h in zip(batch.reqs, _prefill_entropies(logits_output.next_token_logits)):
+                    self.planner.begin(req.rid, h)
             predict = self._first_tokens(batch, logits_output, predict)
         new_seq_lens = batch.seq_lens.clone()
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
@@ -384,7 +350,7 @@ class GlanceWorker(BaseSpecWorker):
 
     def draft_trees(self, batch: ScheduleBatch, seq_lens_cpu: list[int], roots: torch.Tensor) -> DraftTree:
         """One drafter pass for every request's block over its context in the draft KV pool, and the best-first
-        trees at the largest budget (the embedded engine's draft_tree)."""
+        trees at the largest budget (the embedded engine's CachedDrafter.propose)."""
         longest = max(seq_lens_cpu)
         if self.draft_runner is not None and self.draft_runner.fits(len(seq_lens_cpu), longest):
             return self.draft_runner.run(batch.req_pool_indices, batch.seq_lens, roots, longest)
@@ -475,100 +441,56 @@ class GlanceWorker(BaseSpecWorker):
         return out
 
     def _decode_step(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
-        t_start = time.perf_counter()
-        prof = _Profile(self._profile)
+        """One decode step: ``glance_sgl.round.speculative_round`` over the batch, through this worker's
+        adapters (:class:`SGLangRows`, :class:`PoolDrafter`), then SGLang's result."""
         bs = len(batch.reqs)
         rids = [req.rid for req in batch.reqs]
-        if self._last_decode_end is not None:  # the scheduler's time since the previous decode step
-            gap_ms = 1000 * (t_start - self._last_decode_end)
-            self.planner.costs.observe_step(bs, gap_ms + self._last_ar_host_ms)
-            prof.parts.append(f"sched={gap_ms:.1f}ms")
         seq_lens = batch.seq_lens
         seq_lens_cpu = [int(x) for x in (batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None
                                          else seq_lens.tolist())]
         roots = self._roots(batch)
-        if self._maybe_calibrate(batch, rids, roots, seq_lens_cpu, pp_proxy_tensors):
+        rounds = RoundBatch(rids, roots, torch.tensor([len(req.output_ids) for req in batch.reqs], device=self.device),
+                            [sampling_spec(req) for req in batch.reqs])
+        target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
+        source = PoolDrafter(self, batch, seq_lens_cpu)
+        if self._maybe_calibrate(batch, rounds, target, source):
             self._calibrated_now = True
-            t_start = time.perf_counter()  # the calibration is not this step's host work
-            prof = _Profile(self._profile)
-        lead = [self.lead.get(r) for r in rids]
+            self._last_round_end = None  # the calibration is not the scheduler's time
+        gap_ms = None
+        if self._last_round_end is not None:  # everything between two rounds: the scheduler, this plumbing
+            gap_ms = 1000 * (time.perf_counter() - self._last_round_end)
+            self.planner.costs.observe_gap(bs, gap_ms)
 
-        t0 = time.perf_counter()
-        drafted = bool(self._agree(int(self.planner.gate(rids, lead))))
-        if drafted:
-            full = self.draft_trees(batch, seq_lens_cpu, roots)
-            plan = self.planner.choose(rids, full.scores, full.depths)
-            rows = plan.nodes + 1
-            if self.verify_graphs is not None:  # up to a captured width: more best-first nodes, same pass cost
-                rows = self.verify_graphs.snap(rows)
-            rows = self._agree(rows)
-            tree = full.prefix(rows)
-        else:
-            plan = self.planner.skip(rids)
-            tree = root_tree(roots)
-        t1 = time.perf_counter()
-        prof.mark("draft" if drafted else "no_draft")
+        r = speculative_round(rounds, self.planner, [source], target, max_depth=self.max_depth,
+                              device_resident=self.device_step)
+        self._last_round_end = r.ended
+        self._log_step(r, gap_ms)
 
-        # SGLang's forward (attention backend, sampler bookkeeping) is not this step's to bound
-        with self._counter.paused() if self._counter is not None else contextlib.nullcontext():
-            result, logits, taps = self._pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
-        t2 = time.perf_counter()
-        prof.mark(f"target[{tree.num_rows}]")
-
-        if batch.has_grammar:  # constrained requests: each row's logits masked by the grammar along its path
-            self._mask_grammar(batch, tree, logits)
-        specs = [sampling_spec(req) for req in batch.reqs]
-        next_index = torch.tensor([len(req.output_ids) for req in batch.reqs], device=self.device)
-        # the walk where the logits are (no host copy of [bs, R, V]); on a CPU the host-list walk for small batches
-        walk = verify_tree(tree.tokens, tree.parents, tree.depths, logits, next_index, specs,
-                           max_depth=min(self.max_depth, tree.num_rows - 1), device_resident=self.device_step)
-        accepted = walk.accept_lens.to(self.device)  # drafted nodes accepted, bonus excluded
-        prof.mark("walk")
-
-        if tree.num_rows > 1:  # accepted rows' K/V to the front of each verify window (root first)
-            kv = self.token_to_kv_pool_allocator.get_kvcache()
-            glance_kernels.compact_kv(list(kv.k_buffer) + list(kv.v_buffer),
-                                      self.req_to_token_pool.req_to_token[batch.req_pool_indices.long()], 1,
-                                      seq_lens.long(), walk.accepted_rows.to(self.device))
-        self._write_committed(batch, taps, walk.accepted_rows, accepted + 1)
-        # the next round's lead entropies: the rows whose target distribution produced the bonus tokens
-        if drafted or any(self.planner.wants_entropy(r) for r in rids):
-            last = walk.accepted_rows.to(self.device).gather(1, accepted[:, None]).squeeze(1)
-            self.lead.update(zip(rids, entropies_nats(logits[torch.arange(bs, device=self.device), last])))
-        else:  # an AR step of requests whose drafting is paused: no gate reads their entropies
-            self.lead.update((r, None) for r in rids)
-        self.planner.observe(rids, plan, lead, accepted.tolist(), tree if drafted else None,
-                             walk if drafted else None)
-        prof.mark("kv+stash+plan")
-        if prof.on:
-            prof.parts.append(f"accepted={accepted.tolist()} lead={[None if h is None else round(h, 2) for h in lead]}")
-
-        accept_lens = (accepted + 1).to(torch.int32)
+        walk = r.walk
+        accept_lens = (walk.accept_lens.to(self.device) + 1).to(torch.int32)
         width = min(walk.committed_tokens.shape[1], self.draft_token_num)
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
         accept_tokens[:, :width] = walk.committed_tokens[:, :width].clamp(min=0).to(self.device, torch.int32)
+        result = r.out.handle
         if batch.return_logprob:
-            self._spec_logprobs(batch, result.logits_output, walk.accepted_rows, accept_tokens, tree.num_rows)
+            self._spec_logprobs(batch, result.logits_output, walk.accepted_rows, accept_tokens, r.tree.num_rows)
         accept_tokens = accept_tokens.flatten()
-        new_seq_lens = seq_lens + accept_lens
         batch.forward_mode = ForwardMode.DECODE
+        return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens,
+                            seq_lens + accept_lens, on_publish)
 
-        t_end = time.perf_counter()
-        costs = self.planner.costs
-        pass_ms, host_ms = 1000 * (t2 - t1), 1000 * ((t_end - t_start) - (t2 - t1) - (t1 - t0))
-        costs.observe_verify(tree.num_rows, bs, pass_ms)
-        if drafted:
-            costs.observe_draft(bs, 1000 * (t1 - t0))
-            costs.observe_overhead(host_ms)
-            self._last_ar_host_ms = 0.0
-        else:
-            self._last_ar_host_ms = host_ms
-        self.stats.record(bs, tree.num_rows if drafted else 0)
-        self._last_rows = tree.num_rows if drafted else 0
-        prof.done(bs)
-        self._last_decode_end = time.perf_counter()
-        return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens, new_seq_lens,
-                            on_publish)
+    def _log_step(self, r: RoundResult, gap_ms: float | None) -> None:
+        """Step statistics; with ``GLANCE_SGL_PROFILE=1`` each step's parts logged."""
+        rows = r.tree.num_rows if r.drafted else 0
+        self.stats.record(r.report.batch, rows)
+        self._last_rows = rows
+        if self._profile:
+            rep = r.report
+            logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s",
+                           rep.batch, "-" if gap_ms is None else f"{gap_ms:.1f}ms",
+                           "draft" if r.drafted else "no_draft", rep.drafter_ms, r.tree.num_rows, rep.pass_ms,
+                           rep.host_ms, list(rep.accepted),
+                           [None if (h := self.planner.lead_entropy(x)) is None else round(h, 2) for x in rep.rids])
 
     def _mask_grammar(self, batch: ScheduleBatch, tree: DraftTree, logits: torch.Tensor) -> None:
         """Constrained decoding (SGLang's grammar backends: ``json_schema``, ``regex``, ``ebnf``): every tree row's
@@ -616,29 +538,22 @@ class GlanceWorker(BaseSpecWorker):
         self.draft_pool.defer(slots, kept, positions)
 
     # ------------------------------------------------------------------ cost model calibration
-    def _maybe_calibrate(self, batch: ScheduleBatch, rids: list[str], roots: torch.Tensor,
-                         seq_lens_cpu: list[int], pp_proxy_tensors) -> bool:
+    def _maybe_calibrate(self, batch: ScheduleBatch, rounds: RoundBatch, target: "SGLangRows",
+                         source: "PoolDrafter") -> bool:
         """Measure the target pass at every row count of the grid and the drafter pass, on THIS batch, the first
         time a batch size of a new power-of-two bucket decodes (not for the ``fixed`` planner; skipped when the
         cached calibration covers it). The passes write K/V only into the slots SGLang reserved for this step, which
         the real verify pass overwrites right after; their outputs are dropped."""
         if self.planner_mode == "fixed":  # (random, a test policy, calibrates too: the passes must be harmless)
             return False
-        bs = len(rids)
+        bs = rounds.size
         bucket = 1 << (bs.bit_length() - 1)
         costs = self.planner.costs
         if any(1 << (b.bit_length() - 1) == bucket for b in costs.calibrated_batches()):
             return False
         t0 = time.perf_counter()
-
-        def run_verify(rows: int, batch_size: int) -> None:
-            self._pass(batch, chain_of(roots, rows), seq_lens_cpu, pp_proxy_tensors)
-
-        def run_draft(batch_size: int) -> None:
-            self.draft_trees(batch, seq_lens_cpu, roots)
-
         grid = self.verify_graphs.widths if self.verify_graphs is not None else default_row_grid(self.draft_token_num)
-        measured = calibrate(run_verify, run_draft, [(r, bs) for r in grid], [bs], repeats=3)
+        measured = calibrate_round(target, [source], rounds, grid, self.draft_token_num, repeats=3)
         costs.add_curve(bs, [x // bs for x in measured.verify_rows], measured.verify_ms_at)
         costs.add_draft_point(bs, measured.draft_ms_at[0])
         batch.forward_mode = ForwardMode.DECODE
@@ -647,3 +562,59 @@ class GlanceWorker(BaseSpecWorker):
                     time.perf_counter() - t0, grid, [round(x, 2) for x in costs.curves[bs][1]],
                     measured.draft_ms_at[0], f"; cached in {saved}" if saved else "")
         return True
+
+
+class SGLangRows:
+    """The worker's target pass for ``glance_sgl.round`` (``TargetRows``), bound to one decode batch: SGLang's
+    verify or AR forward (:meth:`GlanceWorker._pass`), the grammar mask, and ``compact_kv``."""
+
+    def __init__(self, worker: GlanceWorker, batch: ScheduleBatch, seq_lens_cpu: list[int], pp_proxy_tensors) -> None:
+        self.worker, self.batch, self.seq_lens_cpu, self.pp_proxy_tensors = worker, batch, seq_lens_cpu, pp_proxy_tensors
+
+    def forward(self, tree: DraftTree) -> PassOutput:
+        """The pass over ``tree`` [bs, R]: logits [bs, R, V] where SGLang left them (masked by each constrained
+        request's grammar along every row's path), taps [bs, R, L*H], SGLang's result as the handle."""
+        w = self.worker
+        # SGLang's forward (attention backend, sampler bookkeeping) is not this step's to bound
+        with w._counter.paused() if w._counter is not None else contextlib.nullcontext():
+            result, logits, taps = w._pass(self.batch, tree, self.seq_lens_cpu, self.pp_proxy_tensors)
+        if self.batch.has_grammar:  # constrained requests: each row's logits masked by the grammar along its path
+            w._mask_grammar(self.batch, tree, logits)
+        return PassOutput(logits, taps, result)
+
+    def keep(self, tree: DraftTree, walk: WalkResult) -> None:
+        """The accepted rows' K/V to the front of each verify window (root first)."""
+        w = self.worker
+        kv = w.token_to_kv_pool_allocator.get_kvcache()
+        glance_kernels.compact_kv(list(kv.k_buffer) + list(kv.v_buffer),
+                                  w.req_to_token_pool.req_to_token[self.batch.req_pool_indices.long()], 1,
+                                  self.batch.seq_lens.long(), walk.accepted_rows.to(w.device))
+
+    def drop(self, tree: DraftTree) -> None:
+        return None  # the pass wrote only the step's reserved slots, which the real pass overwrites
+
+    def agree(self, value: int) -> int:
+        return self.worker._agree(value)
+
+    def width(self, rows: int) -> int:
+        """Up to a captured CUDA-graph width: more best-first nodes for the same pass cost."""
+        graphs = self.worker.verify_graphs
+        return graphs.snap(rows) if graphs is not None else rows
+
+
+class PoolDrafter:
+    """The block drafter as the worker's candidate source (``glance_sgl.round.CandidateSource``), bound to one
+    decode batch: its context lives in the draft KV pool; what a step commits is written there deferred."""
+
+    source_id = 0
+
+    def __init__(self, worker: GlanceWorker, batch: ScheduleBatch, seq_lens_cpu: list[int]) -> None:
+        self.worker, self.batch, self.seq_lens_cpu = worker, batch, seq_lens_cpu
+
+    def propose(self, batch: RoundBatch, rows: int) -> DraftTree:
+        """The best-first trees at the full budget (``rows`` is the worker's ``N``)."""
+        return self.worker.draft_trees(self.batch, self.seq_lens_cpu, batch.roots)
+
+    def commit(self, batch: RoundBatch, taps: torch.Tensor, walk: WalkResult) -> None:
+        w = self.worker
+        w._write_committed(self.batch, taps, walk.accepted_rows, walk.accept_lens.to(w.device) + 1)

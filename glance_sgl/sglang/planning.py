@@ -58,6 +58,7 @@ class BatchCostModel(CostModel):
 
     curves: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     step_ms: dict[int, float] = field(default_factory=dict)
+    ar_host_ms: float = 0.0  # host work of the last round when it was an AR step (online; not saved)
 
     # ------------------------------------------------------------------ queries
     def pass_ms(self, rows: int, batch: int = 1) -> float:
@@ -112,6 +113,25 @@ class BatchCostModel(CostModel):
         self.scale *= 1 + SCALE_RATE * (ratio - 1)
         xs, ys = self.curves[self._nearest(self.curves, batch)]
         self._refine(xs, ys, float(rows), ratio)  # the base model's slow shape update
+
+    def observe_ar(self, batch: int, pass_ms: float, host_ms: float) -> None:
+        """An AR step: the pass refines the one-row curve; its host work is paid by every step, so it joins the
+        scheduler's time (:meth:`observe_gap`) rather than a drafting round's overhead."""
+        self.observe_verify(1, batch, pass_ms)
+        self.ar_host_ms = host_ms
+
+    def observe_round(self, rows: int, batch: int, drafted: bool, drafter_ms: float, pass_ms: float,
+                      host_ms: float) -> None:
+        if drafted:
+            self.ar_host_ms = 0.0
+        super().observe_round(rows, batch, drafted, drafter_ms, pass_ms, host_ms)
+
+    def observe_gap(self, batch: int, ms: float) -> None:
+        """The time between the end of one round and the start of the next (the scheduler's result processing and
+        batch preparation, the worker's own plumbing), plus the host work of the previous round when it was an AR
+        step: what every step pays besides its passes (:meth:`observe_step`)."""
+        self.observe_step(batch, ms + self.ar_host_ms)
+        self.ar_host_ms = 0.0
 
     def observe_step(self, batch: int, ms: float) -> None:
         """The scheduler's time between two consecutive decode steps of ``batch`` requests."""

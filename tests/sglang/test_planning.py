@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from glance_testing import tiny_bound_drafter
+from tests.glance_testing import tiny_bound_drafter
 
 sglang = pytest.importorskip("sglang")
 
@@ -70,7 +70,7 @@ def test_random_planner_mixes_ar_steps_and_every_tree_size():
     depths = torch.tensor([[0, 1, 1, 2, 2, 3, 3, 4]] * 2)
     drafted, sizes = 0, set()
     for _ in range(200):
-        if p.gate(["a", "b"], [0.1, 2.0]):
+        if p.gate(["a", "b"]):
             drafted += 1
             plan = p.choose(["a", "b"], scores, depths)
             sizes.add(plan.nodes)
@@ -181,7 +181,7 @@ def test_draft_kv_pool_equals_per_request_extends():
 def test_ar_and_calibration_trees_verify_inputs():
     from glance_sgl.sglang.glance_info import build_verify_input
     from glance_sgl.metrics import entropies_nats
-    from glance_sgl.sglang.glance_worker import chain_of, root_tree
+    from glance_sgl.round import chain_of, root_tree
 
     roots = torch.tensor([5, 9])
     seq_lens = torch.tensor([4, 6])

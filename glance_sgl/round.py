@@ -1,0 +1,227 @@
+"""One speculative round, for both engines: a batch of one in the embedded engine, SGLang's batch in the worker.
+
+It reads top to bottom like gpt-fast's ``speculative_decode``::
+
+    gate -> propose candidates -> choose rows -> build the verify tree -> target pass -> walk -> keep KV
+         -> feed the sources -> observe
+
+Torch and the planner only: no Hugging Face or SGLang types. What differs between the engines comes in through
+small adapters:
+
+- :class:`TargetRows`: the target pass over a packed tree and the KV keep (the Hugging Face cache and
+  ``keep_rows`` in ``glance_sgl.target``; SGLang's verify / AR forward and ``compact_kv`` in the worker);
+- :class:`CandidateSource`: proposes a candidate tree and is fed what each round committed, whether it ran or
+  not (the block drafter over its context store: ``glance_sgl.drafter.CachedDrafter`` in the embedded engine,
+  the draft KV pool in the worker). ``source_id`` names the source, so a second one (n-gram matches) can sit
+  beside the drafter;
+- the policy (:class:`glance_sgl.planner.Planner`, or ``AlwaysDraft`` for an ablation): ``gate``, ``skip``,
+  ``choose`` and one ``report`` per round; it owns every per-request statistic, the lead entropy included.
+
+Lossless whatever the adapters and the policy pick: every prefix of a best-first tree (the root alone included) is
+a valid tree, and the walk (``glance_sgl.verify``) commits only the target's own choices.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Hashable, Protocol, Sequence
+
+import torch
+
+from .planner import CostModel, Plan, RoundReport, calibrate
+from .tree import DraftTree
+from .verify import SamplingSpec, WalkResult, verify_tree
+
+
+@dataclass
+class RoundBatch:
+    """The requests of one round.
+
+    ``rids``: planner keys, one per request; ``roots`` [bs] long: each request's newest committed token (the root
+    of its tree); ``next_index`` [bs] long: the output index of the token after the root (the sampling noise's
+    counter); ``specs``: each request's sampling; ``tokens``: each request's tokens so far (prompt + output), for
+    sources that match on them (None where no source needs them).
+    """
+
+    rids: Sequence[Hashable]
+    roots: torch.Tensor
+    next_index: torch.Tensor
+    specs: Sequence[SamplingSpec]
+    tokens: Sequence[Sequence[int]] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.rids)
+
+
+@dataclass
+class PassOutput:
+    """The target pass over R rows per request: ``logits`` [bs, R, V] (on the device the walk runs on), ``taps``
+    [bs, R, L*H] (tap features, for the drafter's context), ``handle``: the engine's own result object."""
+
+    logits: torch.Tensor
+    taps: torch.Tensor
+    handle: Any = None
+
+
+class TargetRows(Protocol):
+    """The engine's target pass, bound to one round's requests."""
+
+    def forward(self, tree: DraftTree) -> PassOutput:
+        """One pass over every request's packed tree [bs, R] (R = 1: a plain AR step), K/V written after each
+        prefix."""
+
+    def keep(self, tree: DraftTree, walk: WalkResult) -> None:
+        """Keep the K/V of each request's root and accepted rows (``walk.accepted_rows``), in order."""
+
+    def drop(self, tree: DraftTree) -> None:
+        """Forget a pass's rows altogether (a calibration pass)."""
+
+    def agree(self, value: int) -> int:
+        """The value every rank takes (tensor parallelism: rank 0's); identity for one process."""
+
+    def width(self, rows: int) -> int:
+        """The rows the pass runs for ``rows`` planned rows (>= rows: a captured CUDA-graph width)."""
+
+
+class CandidateSource(Protocol):
+    """A source of candidate tokens for the verify tree."""
+
+    source_id: int
+
+    def propose(self, batch: RoundBatch, rows: int) -> DraftTree:
+        """Candidate trees [bs, <= rows] (row 0 the root), best-first: every prefix is a tree."""
+
+    def commit(self, batch: RoundBatch, taps: torch.Tensor, walk: WalkResult) -> None:
+        """What the round committed (``walk``: root + accepted rows of the pass whose tap features are ``taps``
+        [bs, R, L*H]), every round, whether this source proposed or not (writes may be deferred)."""
+
+
+class RoundPolicy(Protocol):
+    """What the round asks of the planner (:class:`glance_sgl.planner.Planner`)."""
+
+    max_nodes: int
+
+    def gate(self, rids: Sequence[Hashable]) -> bool: ...
+
+    def skip(self, rids: Sequence[Hashable]) -> Plan: ...
+
+    def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor) -> Plan: ...
+
+    def report(self, report: RoundReport) -> None: ...
+
+
+@dataclass
+class RoundResult:
+    """One round: the verified ``tree`` [bs, R], its ``walk``, the policy's ``plan``, the pass's output and the
+    report the planner got (its ms fields are the round's timings); ``ended``: ``time.perf_counter()`` at the
+    report (an engine measures what happens between rounds from it)."""
+
+    tree: DraftTree
+    walk: WalkResult
+    plan: Plan
+    out: PassOutput
+    report: RoundReport
+    ended: float
+
+    @property
+    def drafted(self) -> bool:
+        return self.plan.drafted
+
+
+def root_tree(roots: torch.Tensor) -> DraftTree:
+    """The 1-row tree of a plain AR step: only the roots [bs] are verified."""
+    zeros = torch.zeros_like(roots)[:, None]
+    return DraftTree(roots[:, None], zeros - 1, zeros, zeros.float())
+
+
+def chain_of(roots: torch.Tensor, rows: int) -> DraftTree:
+    """A ``rows``-row chain repeating each root [bs] (calibration input: the shape matters, not the tokens)."""
+    bs = roots.shape[0]
+    ar = torch.arange(rows, device=roots.device)[None, :].expand(bs, -1)
+    return DraftTree(roots[:, None].expand(-1, rows).contiguous(), (ar - 1).contiguous(), ar.contiguous(),
+                     torch.zeros(bs, rows, device=roots.device))
+
+
+def lead_rows(logits: torch.Tensor, walk: WalkResult) -> torch.Tensor:
+    """[bs, V]: each request's logits at the row that produced its bonus token (the last accepted row)."""
+    dev = logits.device
+    last = walk.accepted_rows.to(dev).gather(1, walk.accept_lens.to(dev)[:, None]).squeeze(1)
+    return logits[torch.arange(logits.shape[0], device=dev), last]
+
+
+def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int) -> DraftTree:
+    """The candidates of every active source in one best-first tree of at most ``rows`` rows per request."""
+    if len(sources) != 1:
+        raise NotImplementedError("merging candidate sources into one tree comes with glance_sgl.tree's merge")
+    return sources[0].propose(batch, rows)
+
+
+def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence[CandidateSource],
+                      target: TargetRows, *, max_depth: int, device_resident: bool = False) -> RoundResult:
+    """One speculative round over ``batch``; returns what it verified and committed.
+
+    ``max_depth``: the deepest node any source proposes (the walk's cap); ``device_resident``: the walk stays on
+    the logits' device (``glance_sgl.verify.verify_tree``). Timings (wall ms) go to the planner in its report:
+    the sources' time (gate included), the target pass's, and the rest (choice, walk, keep, feeding the sources).
+    """
+    t0 = time.perf_counter()
+    # 1. gate: does drafting pay for this batch now? (no tensor work; every rank takes rank 0's answer)
+    drafting = bool(target.agree(int(planner.gate(batch.rids))))
+    if drafting:
+        # 2. propose candidates at the largest tree, 3. choose how many rows of it to verify
+        candidates = propose(sources, batch, planner.max_nodes + 1)
+        t1 = time.perf_counter()
+        plan = planner.choose(batch.rids, candidates.scores, candidates.depths)
+        # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs
+        tree = candidates.prefix(target.agree(target.width(plan.nodes + 1)))
+    else:  # a plain AR step: the root alone, no source runs
+        t1 = t0
+        plan = planner.skip(batch.rids)
+        tree = root_tree(batch.roots)
+    t2 = time.perf_counter()
+    # 5. one target pass over every request's tree
+    out = target.forward(tree)
+    t3 = time.perf_counter()
+    # 6. the walk: the target's own choices (greedy, or seeded sampling), lossless whatever the tree
+    walk = verify_tree(tree.tokens, tree.parents, tree.depths, out.logits, batch.next_index, list(batch.specs),
+                       max_depth=min(max_depth, tree.num_rows - 1), device_resident=device_resident)
+    # 7. keep the root's and the accepted rows' K/V, 8. feed every source what was committed
+    if tree.num_rows > 1:
+        target.keep(tree, walk)
+    for source in sources:
+        source.commit(batch, out.taps, walk)
+    lead = lead_rows(out.logits, walk)
+    accepted = walk.accept_lens.tolist()
+    t4 = time.perf_counter()
+    # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
+    report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if drafting else None,
+                         walk if drafting else None, lead, drafter_ms=1000.0 * (t1 - t0),
+                         pass_ms=1000.0 * (t3 - t2), host_ms=1000.0 * ((t2 - t1) + (t4 - t3)))
+    planner.report(report)
+    return RoundResult(tree, walk, plan, out, report, time.perf_counter())
+
+
+def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batch: RoundBatch,
+                    row_grid: Sequence[int], max_rows: int, *, repeats: int, key: str = "",
+                    smooth: bool = False) -> CostModel:
+    """The costs of ``batch``'s rounds on this machine: the target pass over chains of every row count of
+    ``row_grid`` (rows per request; 1 = the AR step's pass) and the sources' proposal at ``max_rows`` rows,
+    measured by :func:`glance_sgl.planner.calibrate` (``repeats`` sweeps, the fastest of each point;
+    ``smooth``: one request's curve). The passes leave nothing behind (:meth:`TargetRows.drop`)."""
+    bs = batch.size
+
+    def run_verify(rows: int, _batch: int) -> None:
+        chain = chain_of(batch.roots, rows)
+        target.forward(chain)
+        target.drop(chain)
+
+    def run_draft(_batch: int) -> None:
+        propose(sources, batch, max_rows)
+
+    return calibrate(run_verify, run_draft, [(r, bs) for r in row_grid], [bs], repeats=repeats, key=key, smooth=smooth)
+
+
+__all__ = ["RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
+           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose"]

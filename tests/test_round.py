@@ -1,0 +1,84 @@
+"""The one speculative round (glance_sgl.round) on the embedded engine's adapters, driven directly: a batch of one
+over a real Hugging Face cache and drafter context, one planner report per round, the cache holding exactly the
+committed prefix, greedy output equal to the AR path's, and calibration passes that leave nothing behind."""
+
+from __future__ import annotations
+
+import torch
+
+from glance_sgl.drafter import CachedDrafter
+from glance_sgl.engine import SamplingParams
+from glance_sgl.metrics import entropy_nats
+from glance_sgl.planner import Planner, RandomPlanner, RoundReport
+from glance_sgl.round import RoundBatch, calibrate_round, speculative_round
+from glance_sgl.target import CachePass
+from glance_sgl.verify import SamplingSpec
+
+from tests.glance_testing import make_prompts
+
+
+class RecordingPlanner(RandomPlanner):
+    """The random test policy (AR rounds, the root alone, any tree size), keeping every report it gets."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reports: list[RoundReport] = []
+
+    def report(self, report: RoundReport) -> None:
+        self.reports.append(report)
+        super().report(report)
+
+
+def test_round_reports_once_keeps_the_committed_prefix_and_matches_ar(engines):
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    messages = make_prompts(2, seed=21)[1]
+    ar = engine.generate(messages, SamplingParams(max_tokens=20), mode="ar").token_ids
+    planner = RecordingPlanner(engine.cost_model(), engine.max_nodes, engine.block_size - 1, seed=5)
+    prompt = target.prepare(messages)
+    state, rows = target.prefill(prompt, taps=taps)
+    source = CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k)
+    rows_pass = CachePass(target, state, taps)
+    committed = [int(rows.logits[-1].argmax())]
+    planner.begin("r", entropy_nats(rows.logits[-1]))
+    rounds, drafted = 0, 0
+    while len(committed) < len(ar):
+        batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
+        r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
+        rounds += 1
+        drafted += r.drafted
+        committed += r.walk.committed()[0]
+        # the cache holds the prompt and every committed token but the newest (the next round's root)
+        assert state.length == prompt.num_tokens + len(committed) - 1
+        rep = planner.reports[-1]
+        assert rep is r.report and rep.rows == r.tree.num_rows and rep.accepted == r.walk.accept_lens.tolist()
+        assert (rep.tree is not None) == r.drafted and rep.lead_logits.shape == (1, r.out.logits.shape[-1])
+        # committed tokens wait in the drafter's stash until its next pass (which flushed the earlier ones)
+        assert source.stash and (not r.drafted or len(source.stash) == 1)
+    assert committed[: len(ar)] == ar
+    assert len(planner.reports) == rounds and 0 < drafted < rounds
+    # calibration passes through the same adapters leave the cache and the drafter's context as they were
+    length, context = state.length, int(source.cache.lengths[0])
+    batch = RoundBatch(["cal"], torch.tensor([committed[-1]]), torch.tensor([0]), [SamplingSpec()])
+    costs = calibrate_round(rows_pass, [source], batch, [1, 2, 4, 8], engine.max_nodes + 1, repeats=1)
+    assert costs.verify_rows == [1, 2, 4, 8] and costs.draft_batch == [1]
+    assert state.length == length and int(source.cache.lengths[0]) >= context and not source.stash
+
+
+def test_a_planner_owns_the_lead_entropy_through_the_round(engines):
+    """The lead entropy the gate reads is the one of the row that produced the newest token: the planner computes
+    it from the round's report (no handshake with the engine)."""
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    planner = Planner(engine.cost_model(), max_nodes=engine.budget, max_depth=engine.block_size - 1, mode="fixed")
+    state, rows = target.prefill(target.prepare(make_prompts(1, seed=22)[0]), taps=taps)
+    source = CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k)
+    committed = [int(rows.logits[-1].argmax())]
+    planner.begin("r", entropy_nats(rows.logits[-1]))
+    batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([1]), [SamplingSpec()])
+    r = speculative_round(batch, planner, [source], CachePass(target, state, taps), max_depth=engine.block_size - 1)
+    last = int(r.walk.accepted_rows[0, int(r.walk.accept_lens[0])])
+    assert r.drafted and r.tree.num_nodes == engine.budget
+    assert abs(planner.lead_entropy("r") - entropy_nats(r.out.logits[0, last])) < 1e-5
+    planner.forget("r")
+    assert planner.lead_entropy("r") is None and "r" not in planner.known()
