@@ -17,7 +17,7 @@ import torch
 from glance_sgl.checkpoints import build_random_target
 from glance_sgl.engine import GlanceEngine
 from glance_sgl.target import TargetAdapter
-from glance_testing import ARCHS, random_drafter
+from tests.glance_testing import ARCHS, random_drafter
 
 torch.set_num_threads(2)
 

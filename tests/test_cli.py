@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from glance_testing import make_image, random_drafter
+from tests.glance_testing import make_image, random_drafter
 
 
 def run_glance(*args: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from glance_sgl.config import GlanceConfig
 from glance_sgl.drafter import GlanceDrafter
 
-from glance_testing import make_prompts, random_drafter
+from tests.glance_testing import make_prompts, random_drafter
 
 DFLASH_WEIGHTS = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
     f"layers.0.{n}.weight" for n in (

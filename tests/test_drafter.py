@@ -10,7 +10,7 @@ import torch
 from glance_sgl.config import GlanceConfig, default_tap_layers
 from glance_sgl.drafter import GlanceDrafter
 
-from glance_testing import random_drafter
+from tests.glance_testing import random_drafter
 
 
 def test_default_taps():

@@ -7,7 +7,7 @@ import pytest
 from glance_sgl.engine import GlanceEngine, RequestError, SamplingParams, StreamDelta
 from glance_sgl.target import TargetError
 
-from glance_testing import make_prompts
+from tests.glance_testing import make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from glance_sgl.tree import build_tree
 from glance_sgl.verify import SamplingSpec, verify_tree
 
-from glance_testing import ARCHS, make_prompts
+from tests.glance_testing import ARCHS, make_prompts
 
 
 def greedy_continuation(target, messages, n: int) -> list[int]:

@@ -14,7 +14,7 @@ from glance_sgl.tree import max_tree_size
 
 from glance_sgl.planner import RandomPlanner
 
-from glance_testing import ARCHS, make_prompts, random_drafter
+from tests.glance_testing import ARCHS, make_prompts, random_drafter
 
 N_PROMPTS = 50
 MAX_TOKENS = 24

@@ -13,7 +13,7 @@ import torch
 from glance_sgl.engine import GlanceEngine, SamplingParams
 from glance_sgl.tree import max_tree_size
 
-from glance_testing import make_prompts, random_drafter
+from tests.glance_testing import make_prompts, random_drafter
 
 N_PROMPTS = 50
 MAX_TOKENS = 8

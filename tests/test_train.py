@@ -12,7 +12,7 @@ from glance_sgl.train.blocks import loss_weights, make_block_batch
 from glance_sgl.train.data import DistillDataset, DistillSequence, build_distill_data
 from glance_sgl.train.trainer import DrafterTrainConfig, train_drafter
 
-from glance_testing import make_prompts
+from tests.glance_testing import make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from glance_sgl.train.data import DistillDataset, build_distill_data
 from glance_sgl.train.formats import DataError, SkipLog, read_dataset
 from glance_sgl.train.trainer import DrafterTrainConfig, simulated_tau, train_drafter
 
-from glance_testing import make_image
+from tests.glance_testing import make_image
 
 ARCH = "qwen2_5_vl"
 
@@ -117,7 +117,7 @@ def test_online_features_give_the_cached_loss(cached):
     online = DistillDataset(out, target=target, online=True, round_to=torch.float16)
     exact = DistillDataset(out, target=target, online=True)
     assert not cached_data.online and online.online and len(online) == len(cached_data) == 6
-    from glance_testing import random_drafter
+    from tests.glance_testing import random_drafter
 
     drafter = random_drafter(target, seed=3, num_hidden_layers=1, block_size=8, tap_layers=[1, 3])
     drafter.bind_target(target.input_embeddings(), target.lm_head())
@@ -189,7 +189,7 @@ def test_two_torchrun_processes_reproduce_one_process(cached, tmp_path, target_d
 def test_simulated_tau_counts_teacher_forced_acceptance(cached):
     """A drafter that has seen nothing accepts ~nothing (tau ~1); the walk commits every answer token once."""
     target, _, out = cached
-    from glance_testing import random_drafter
+    from tests.glance_testing import random_drafter
 
     data = DistillDataset(out)
     drafter = random_drafter(target, seed=1, num_hidden_layers=1, block_size=8, tap_layers=[1, 3], budget=7,

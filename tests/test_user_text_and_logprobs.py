@@ -9,7 +9,7 @@ import pytest
 from glance_sgl.engine import RequestError, SamplingParams, StreamDelta
 from glance_sgl.special_tokens import SpecialTokenGuard
 
-from glance_testing import make_prompts
+from tests.glance_testing import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from deploy_helpers import CHART, PROFILES, load_values, render_docs
+from tests.deploy.deploy_helpers import CHART, PROFILES, load_values, render_docs
 
 
 @pytest.fixture(scope="session")

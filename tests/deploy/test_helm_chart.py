@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from deploy_helpers import CHART, NAMESPACE, PROFILES, find, load_values, objects, render_docs
+from tests.deploy.deploy_helpers import CHART, NAMESPACE, PROFILES, find, load_values, objects, render_docs
 
 MIN_KUBE = (1, 33)  # "current": the schemas used must be at least this recent
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}

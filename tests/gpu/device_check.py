@@ -3,8 +3,7 @@
 It runs under that machine's own ``python3`` (the lent H200's image: Python 3.12, torch, Triton, transformers,
 no SGLang / FlashInfer / FastAPI / pydantic, no network) with the working tree and at most a few carried wheels
 (``--wheels``, default ``.device-wheels/``: ``scripts/fetch_device_wheels.sh`` fetches them). The project is not
-installed there: the check maps the import names onto the folders (``glance_kernels`` -> ``kernels/``, ...) in a
-temporary folder on ``PYTHONPATH``.
+installed there: its folders are its import names, so the repository root on ``PYTHONPATH`` is enough.
 
 Steps, each a subprocess with its own time limit, each reported on its own (one failing hides nothing):
 
@@ -44,9 +43,6 @@ BUDGET_S = 340  # under 6 minutes with the start-up, so that a rerun fits a 15-m
 CARRY_LIMIT_BYTES = 64 * 2**20  # the device tool carries at most 64 MiB: working tree + wheels
 # what scripts/fetch_device_wheels.sh fetches by default (bytes): SGLang 0.5.23's transformers pin
 DEFAULT_WHEELS = {"transformers-5.19.0-py3-none-any.whl": 12_599_123}
-# import name -> folder, for a machine where the project is not installed (pyproject's package-dir)
-PACKAGE_DIRS = {"glance_sgl": "glance_sgl", "glance_kernels": "kernels", "glance_server": "server",
-                "glance_loadtest": "loadtest"}
 
 
 def steps(work: Path, python: str) -> list[dict[str, Any]]:
@@ -80,17 +76,6 @@ def carried_bytes(wheels: Path | None = None) -> dict[str, Any]:
     total = tree + sum(wheel_sizes.values())
     return {"tree_bytes": tree, "wheels": wheel_sizes, "total_bytes": total, "limit_bytes": CARRY_LIMIT_BYTES,
             "fits": total <= CARRY_LIMIT_BYTES}
-
-
-def import_shim(work: Path) -> Path:
-    """A folder of symlinks that makes each import name of the project resolve to its folder."""
-    shim = work / "shim"
-    shim.mkdir(exist_ok=True)
-    for name, folder in PACKAGE_DIRS.items():
-        link = shim / name
-        if not link.exists():
-            link.symlink_to(ROOT / folder, target_is_directory=True)
-    return shim
 
 
 def install_wheels(python: str, wheels: Path | None, work: Path) -> tuple[Path | None, str]:
@@ -197,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{sum(carry['wheels'].values()) / 2**20:.1f} MiB {list(carry['wheels'])} of 64 MiB")
     else:
         site, report["wheels_note"] = install_wheels(args.python, args.wheels, work)
-        paths = [str(import_shim(work))] + ([str(site)] if site else []) + [str(ROOT)]
+        paths = ([str(site)] if site else []) + [str(ROOT)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(":"),
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "GLANCE_COST_CACHE": str(work / "costs")}

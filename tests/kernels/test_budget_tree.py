@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, assert_same, both
+from tests.kernels.kernel_helpers import DEVICE, assert_same, both
 
 import glance_kernels as gk
 from glance_sgl.tree import DraftTree, build_tree, max_tree_size, topk_per_offset

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, assert_same
+from tests.kernels.kernel_helpers import DEVICE, assert_same
 
 import glance_kernels as gk
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import DEVICE, PREFIXES, assert_same, both, random_parents
+from tests.kernels.kernel_helpers import DEVICE, PREFIXES, assert_same, both, random_parents
 
 import glance_kernels as gk
 from glance_sgl.tree import ancestor_mask

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_helpers import DEVICE, PREFIXES, assert_same, both, load_sglang_module, random_parents, sglang_function
+from tests.kernels.kernel_helpers import DEVICE, PREFIXES, assert_same, both, load_sglang_module, random_parents, sglang_function
 
 import glance_kernels as gk
 from glance_sgl.tree import ancestor_mask, tree_pointers

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))  # the server tests' helpers
 
-from server_helpers import API_KEY, start_embedded  # noqa: E402
+from tests.server.server_helpers import API_KEY, start_embedded  # noqa: E402
 
 from glance_sgl.checkpoints import build_random_pair  # noqa: E402
 from glance_sgl.engine import GlanceEngine  # noqa: E402

@@ -11,7 +11,7 @@ from glance_sgl.checkpoints import build_random_pair
 from glance_sgl.engine import GlanceEngine
 from glance_server.app import create_app
 from glance_server.sglang import SGLangBackend
-from server_helpers import API_KEY, ServerThread, base_config, start_embedded
+from tests.server.server_helpers import API_KEY, ServerThread, base_config, start_embedded
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from server_helpers import MODEL, data_url, image_message, png_bytes
+from tests.server.server_helpers import MODEL, data_url, image_message, png_bytes
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import API_KEY, MODEL, image_message, start_embedded
+from tests.server.server_helpers import API_KEY, MODEL, image_message, start_embedded
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_helpers import MODEL, png_bytes
+from tests.server.server_helpers import MODEL, png_bytes
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import pytest
 
 from glance_sgl.engine import SamplingParams
 
-from server_helpers import API_KEY, MODEL, check_glance, image_message, png_bytes
+from tests.server.server_helpers import API_KEY, MODEL, check_glance, image_message, png_bytes
 
 pytestmark = pytest.mark.timeout(180)
 

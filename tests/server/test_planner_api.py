@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import API_KEY, MODEL, check_glance, image_message, png_bytes
+from tests.server.server_helpers import API_KEY, MODEL, check_glance, image_message, png_bytes
 
 pytestmark = pytest.mark.timeout(180)
 

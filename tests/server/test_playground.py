@@ -22,7 +22,7 @@ from glance_server.app import RoundChunks
 from glance_server.example import example
 from glance_server.jobs import GenOutput
 from glance_sgl.engine import GlanceEngine, StreamDelta
-from server_helpers import API_KEY, check_glance, image_message, start_embedded
+from tests.server.server_helpers import API_KEY, check_glance, image_message, start_embedded
 
 ASSET_REF = re.compile(r'(?:src|href)="([^"]+)"')
 EXTERNAL = re.compile(r"(?:https?:)?//[a-z0-9.-]+\.[a-z]{2,}", re.I)
@@ -95,7 +95,7 @@ def demo_gateway():
 
 
 def scene_message(scene) -> list[dict]:
-    from server_helpers import data_url
+    from tests.server.server_helpers import data_url
     import io
 
     buf = io.BytesIO()

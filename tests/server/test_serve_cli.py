@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from glance_sgl import cli as glance_cli
-from server_helpers import image_message
+from tests.server.server_helpers import image_message
 
 pytestmark = pytest.mark.timeout(180)
 GLANCE = [sys.executable, "-m", "glance_sgl.cli"]

@@ -8,7 +8,7 @@ import pytest
 
 from glance_server.app import create_app
 from glance_server.sglang import SGLangBackend, parse_prompt, render_prompt
-from server_helpers import API_KEY, MODEL, ServerThread, base_config, data_url, image_message, png_bytes
+from tests.server.server_helpers import API_KEY, MODEL, ServerThread, base_config, data_url, image_message, png_bytes
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from glance_sgl.sglang.launch import cpu_server_args, free_port, model_context_length, server_command
-from server_helpers import ServerThread, base_config
+from tests.server.server_helpers import ServerThread, base_config
 
 pytestmark = [pytest.mark.timeout(900)]
 

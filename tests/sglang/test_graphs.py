@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("sglang")
 
 from glance_sgl.tree import build_tree  # noqa: E402
-from glance_testing import tiny_bound_drafter  # noqa: E402
+from tests.glance_testing import tiny_bound_drafter  # noqa: E402
 
 
 @pytest.fixture(scope="module")

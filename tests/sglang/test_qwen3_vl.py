@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from glance_testing import make_prompts
+    from tests.glance_testing import make_prompts
 
     from glance_sgl.checkpoints import build_random_pair
     from glance_sgl.engine import GlanceEngine, SamplingParams
