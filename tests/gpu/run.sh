@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GLANCE's GPU check: tests/gpu/run.sh [OUT_DIR] (default: $OUT if set, else gpu-report/). Under 8 minutes on one
 # GPU; writes OUT_DIR/report.json and OUT_DIR/summary.txt; without CUDA it says so, lists the steps and exits 0.
-# See tests/gpu/run.py and the README section "The GPU check".
+# See tests/gpu/run.py and docs/gpu.md (which also describes tests/gpu/device_check.sh for the lent accelerator machine).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-.venv/bin/python}"
