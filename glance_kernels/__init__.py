@@ -38,6 +38,17 @@ _BACKENDS = ("auto", "triton", "torch")
 _forced: list[str] = []
 
 
+def _backend_from_env() -> str:
+    """The process-wide default backend, read once at import (a bad value fails there, naming the variable)."""
+    mode = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if mode not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {_BACKENDS}, not {mode!r}")
+    return mode
+
+
+_DEFAULT = _backend_from_env()
+
+
 @contextmanager
 def backend(name: str) -> Iterator[None]:
     """Force a backend (``auto``, ``triton`` or ``torch``) inside a ``with`` block."""
@@ -52,9 +63,7 @@ def backend(name: str) -> Iterator[None]:
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether the dispatcher runs the Triton kernel for these inputs."""
-    mode = _forced[-1] if _forced else os.environ.get(BACKEND_ENV, "auto")
-    if mode not in _BACKENDS:
-        raise ValueError(f"{BACKEND_ENV} must be one of {_BACKENDS}, not {mode!r}")
+    mode = _forced[-1] if _forced else _DEFAULT
     if mode == "torch":
         return False
     on_cuda = all(t.is_cuda for t in tensors)
