@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_check  # noqa: E402  (tests/gpu/device_check.py: the shared step runner)
+
 BUDGET_S = 470  # under 8 minutes in all
 
 
@@ -63,18 +66,9 @@ def cuda_available(python: str) -> bool:
 
 
 def run_step(step: dict, deadline: float) -> dict:
-    limit = max(5, min(step["limit"], int(deadline - time.monotonic())))
+    """One step under its limit: the device check's runner (same report fields), offline, with the step's env."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **step.get("env", {})}
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.run(step["cmd"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc = 124
-        text = ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")) \
-            + f"\n[timed out after {limit} s]"
-    return {"name": step["name"], "cmd": " ".join(step["cmd"]), "rc": rc, "seconds": round(time.monotonic() - t0, 1),
-            "limit_s": limit, "tail": text[-4000:]}
+    return device_check.run_step(step, env, deadline)
 
 
 def main(argv: list[str] | None = None) -> int:
