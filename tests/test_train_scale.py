@@ -166,7 +166,9 @@ def test_two_torchrun_processes_reproduce_one_process(cached, tmp_path, target_d
     wa, wb = load_file(str(one / "model.safetensors")), load_file(str(tmp_path / "two" / "model.safetensors"))
     assert wa.keys() == wb.keys()
     for k in wa:
-        assert torch.allclose(wa[k], wb[k], atol=1e-5, rtol=1e-4), k
+        # the all-reduced gradient sums in another order than one batch of 4: Adam steps of lr 1e-2 differ by
+        # ~1e-5 after 4 steps (1.6e-5 seen on a 2-core machine)
+        assert torch.allclose(wa[k], wb[k], atol=5e-5, rtol=1e-4), k
     # rank 0 wrote everything: checkpoint of step 2, the best held-out checkpoint, the log's fields, the PNG
     for run in (one, tmp_path / "two"):
         assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2

@@ -278,11 +278,14 @@ def test_hf_config_registered_for_sglang_get_config(tmp_path, plugins_loaded):
 
 
 def test_launch_command():
+    from glance_sgl.cli import default_checkpoints
     from glance_sgl.sglang.launch import server_command
 
-    cmd = server_command("/m", "/d", port=31234, cpu=True, extra_args=["--log-level", "warning"])
+    model = default_checkpoints()[0]  # the CPU mode reads the model's context length from its config
+    cmd = server_command(model, "/d", port=31234, cpu=True, extra_args=["--log-level", "warning"])
     joined = " ".join(cmd)
-    assert "-m sglang.launch_server --model-path /m" in joined
+    assert f"-m sglang.launch_server --model-path {model}" in joined
+    assert "--context-length 2048" in joined  # the demo's max_position_embeddings, as the embedded engine serves
     assert "--speculative-algorithm GLANCE --speculative-draft-model-path /d" in joined
     assert "--device cpu --attention-backend glance_cpu" in joined and "--port 31234" in joined
     assert cmd[-2:] == ["--log-level", "warning"]
