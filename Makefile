@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -q --timeout=900 tests
+	$(BIN)/python -m pytest -q --timeout=900 --durations=25 tests
 
 serve: venv
 	@$(BIN)/python -m glance_server.example --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000)
