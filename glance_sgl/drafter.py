@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GlanceConfig
-from .tree import DraftTree, build_tree, chain_tree, topk_per_offset
+from .tree import SOURCE_DRAFTER, DraftTree, build_tree, chain_tree, topk_per_offset
 
 if TYPE_CHECKING:
     from .round import RoundBatch
@@ -446,7 +446,7 @@ class CachedDrafter:
     width-1 ablation (top-1 per offset) instead of the best-first tree over the top ``branch_k``.
     """
 
-    source_id = 0
+    source_id = SOURCE_DRAFTER
 
     def __init__(self, drafter: GlanceDrafter, cache: DrafterCache, branch_k: int, chain: bool = False) -> None:
         self.drafter, self.cache, self.branch_k, self.chain = drafter, cache, branch_k, chain
@@ -479,9 +479,11 @@ class CachedDrafter:
 
     def commit(self, batch: "RoundBatch", taps: torch.Tensor, walk: "WalkResult") -> None:
         """Stash the tap features of the committed rows (root + accepted; ``taps`` [1, R, L*H])."""
+        if taps.shape[1] == 1:  # an AR step: the root's row
+            self.stash.append(taps[0])
+            return
         n = int(walk.accept_lens[0]) + 1
-        self.stash.append(taps[0] if taps.shape[1] == n == 1 else
-                          taps[0, walk.accepted_rows[0, :n].to(taps.device)])
+        self.stash.append(taps[0, walk.accepted_rows[0, :n].to(taps.device)])
 
 
 __all__ = ["GlanceDrafter", "DrafterCache", "CachedDrafter", "draft_logprobs", "apply_rope", "RMSNorm"]

@@ -19,12 +19,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 
 from .drafter import CachedDrafter, GlanceDrafter
 from .metrics import RequestMetrics, entropy_nats
+from .ngram_source import NgramCandidates, NgramSettings, NgramSource
 from .special_tokens import SpecialTokenGuard, special_token_message
 from .planner import (PLANNER_MODES, AlwaysDraft, CostModel, Planner, PlannerMode, cost_key, default_row_grid,
                       load_costs, save_costs)
@@ -34,6 +35,7 @@ from .tree import max_tree_size
 from .verify import SamplingSpec, target_choices
 
 Mode = Literal["glance", "chain", "ar"]
+DRAFT_SOURCES = ("drafter", "ngram")  # candidate sources of mode "glance" (docs/architecture.md, the round)
 MAX_STOP_STRINGS = 8
 MAX_TOP_LOGPROBS = 20
 
@@ -124,6 +126,8 @@ class SpeculativeRequest:
     policy: Planner | AlwaysDraft
     drafter: CachedDrafter
     target: CachePass
+    sources: list | None = None  # the round's candidate sources (None: the drafter alone)
+    history: list[int] | None = None  # prompt + committed tokens, for sources that match on them (n-gram)
 
 
 @dataclass
@@ -241,6 +245,8 @@ class GlanceEngine:
         mode: Mode = "glance",
         planner: PlannerMode = "auto",
         max_nodes: int | None = None,
+        draft_sources: Sequence[str] = ("drafter",),
+        ngram: NgramSettings | None = None,
     ) -> None:
         if planner not in PLANNER_MODES:
             raise ValueError(f"planner must be one of {PLANNER_MODES}, got {planner!r}")
@@ -271,6 +277,17 @@ class GlanceEngine:
         self._planners: dict[str, Planner] = {}
         self._rids = itertools.count()
         self.special_tokens = SpecialTokenGuard(target.tokenizer)
+        # candidate sources of mode "glance": the drafter (its pass gated by the planner) and n-gram matches over
+        # the request's own tokens and recent answers (SGLang's NgramCorpus; no model pass, proposed every round)
+        self.draft_sources = check_draft_sources(draft_sources)
+        self.ngram: NgramCandidates | None = None
+        if "ngram" in self.draft_sources:
+            if drafter is None:
+                raise ValueError("draft source 'ngram' runs in mode 'glance', which needs a drafter")
+            source = NgramSource(ngram or NgramSettings(max_depth=self.block_size - 1))
+            if not source.available:
+                raise ValueError(source.reason)
+            self.ngram = NgramCandidates(source)
 
     @classmethod
     def load(
@@ -351,12 +368,14 @@ class GlanceEngine:
         on_delta: Callable[[StreamDelta], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         planner: PlannerMode | None = None,
+        draft_sources: Sequence[str] | None = None,
     ) -> GenerationResult:
         """Run one request to completion. ``messages``: chat messages (the chat template applies) or a string
         (a raw text prompt, tokenised as is) or a prompt from :meth:`prepare`. ``on_delta`` receives committed
         tokens as they land;
         ``should_stop`` is polled between rounds (True cancels: finish_reason "cancelled"). ``planner``
-        ("auto" / "fixed") overrides the engine's default for mode "glance". Text holding a special-token string
+        ("auto" / "fixed") overrides the engine's default for mode "glance", and ``draft_sources`` (a subset of
+        ``DRAFT_SOURCES``: "drafter", "ngram") its candidate sources. Text holding a special-token string
         (``<|image_pad|>``, ``<|im_start|>``, ...) is refused (:class:`RequestError`, code
         ``special_token_in_text``)."""
         params = params or SamplingParams()
@@ -366,6 +385,7 @@ class GlanceEngine:
             raise RequestError(f"mode {mode!r} needs a drafter; this engine has none")
         if mode not in ("glance", "chain", "ar"):
             raise RequestError(f"unknown decoding mode {mode!r}")
+        sources = self._sources(draft_sources, mode)
         if planner is not None and mode != "glance":
             raise RequestError(f"a planner applies to mode 'glance' only, not {mode!r}", param="planner")
         with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
@@ -373,7 +393,7 @@ class GlanceEngine:
             t0 = time.perf_counter()
             prompt = messages if isinstance(messages, PreparedPrompt) else self.prepare(messages)
             prepare_ms = (time.perf_counter() - t0) * 1000.0
-            return self._run(prompt, prepare_ms, params, mode, plan, on_delta, should_stop)
+            return self._run(prompt, prepare_ms, params, mode, plan, on_delta, should_stop, sources)
 
     def check_fits(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
         """Refuses (``context_length_exceeded``) a prompt whose tokens plus ``max_tokens`` and a tree do not fit
@@ -404,8 +424,8 @@ class GlanceEngine:
                                       if isinstance(v, torch.Tensor)}, num_images=0)
 
     def stream(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None,
-               mode: Mode | None = None, planner: PlannerMode | None = None
-               ) -> Iterator[StreamDelta | GenerationResult]:
+               mode: Mode | None = None, planner: PlannerMode | None = None,
+               draft_sources: Sequence[str] | None = None) -> Iterator[StreamDelta | GenerationResult]:
         """Yield :class:`StreamDelta` items as tokens commit, then the final :class:`GenerationResult`.
         Closing the iterator early cancels the request."""
         items: queue.Queue = queue.Queue()
@@ -415,7 +435,7 @@ class GlanceEngine:
         def work() -> None:
             try:
                 items.put(self.generate(messages, params, mode, on_delta=items.put, should_stop=cancelled.is_set,
-                                        planner=planner))
+                                        planner=planner, draft_sources=draft_sources))
             except BaseException as exc:  # handed to the consumer
                 items.put(exc)
             finally:
@@ -433,8 +453,24 @@ class GlanceEngine:
             thread.join()
 
     # ------------------------------------------------------------------ the loop
+    def _sources(self, names: Sequence[str] | None, mode: Mode) -> tuple[str, ...]:
+        """The candidate sources of a request: ``names`` (None: the engine's), for mode "glance" only."""
+        if names is None:
+            return self.draft_sources if mode == "glance" else ("drafter",)
+        try:
+            names = check_draft_sources(names)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="draft_sources") from None
+        if mode != "glance" and names != ("drafter",):
+            raise RequestError(f"draft sources apply to mode 'glance' only, not {mode!r}", param="draft_sources")
+        if "ngram" in names and self.ngram is None:
+            raise RequestError("this engine has no n-gram source (start it with draft source 'ngram')",
+                               param="draft_sources")
+        return names
+
     def _run(self, prompt: PreparedPrompt, prepare_ms: float, params: SamplingParams, mode: Mode,
-             planner: Planner | None, on_delta, should_stop) -> GenerationResult:
+             planner: Planner | None, on_delta, should_stop, sources: Sequence[str] = ("drafter",)
+             ) -> GenerationResult:
         """The decoding loop. ``prefill_ms`` counts the prompt's preparation (``prepare_ms``) and the prefill."""
         spec = SamplingSpec(params.temperature, params.top_p,
                             params.seed if params.seed is not None else random.getrandbits(62))
@@ -454,6 +490,11 @@ class GlanceEngine:
                                          CachedDrafter.start(self.drafter, rows.taps, self.branch_k, mode == "chain"),
                                          CachePass(self.target, state, self._taps(mode)))
             policy.begin(request.rid, entropy_nats(rows.logits[-1]))
+            if "ngram" in sources:
+                assert self.ngram is not None
+                self.ngram.acceptance = policy.acceptance  # the planner learns per source and depth
+                request.history = prompt.input_ids[0].tolist() + [first]
+                request.sources = ([request.drafter] if "drafter" in sources else []) + [self.ngram]
         k = params.logprobs
         out.add([first], token_logprobs(rows.logits[-1:], [first], k) if k is not None else None)
         metrics.prefill_ms = prepare_ms + (time.perf_counter() - t0) * 1000.0
@@ -475,6 +516,8 @@ class GlanceEngine:
                     new_tokens, rec = self.speculative_round(request, out.token_ids, spec)
                     kept = out.add(new_tokens, token_logprobs(rec.choice_logits, new_tokens, k) if k is not None
                                    else None)
+                    if request.history is not None:
+                        request.history += new_tokens[:kept]
                     metrics.record_round(drafted=rec.nodes, accepted=rec.accepted, committed=kept,
                                          root_entropy=rec.root_entropy, predicted=rec.predicted,
                                          drafter_ran=rec.drafter_ran)
@@ -482,6 +525,8 @@ class GlanceEngine:
         finally:
             if request is not None:
                 request.policy.forget(request.rid)
+                if request.history is not None and self.ngram is not None:
+                    self.ngram.finish(request.rid)  # its answer stays in the cross-request corpus
         metrics.decode_ms = (time.perf_counter() - t1) * 1000.0
         metrics.completion_tokens = len(out.token_ids)
         return GenerationResult(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
@@ -504,16 +549,17 @@ class GlanceEngine:
         draft and how big a tree to verify, one target pass verifies it, the accepted KV stays and the drafter
         is fed (deferred: a round without drafting is an AR step whose tap features wait for the next drafter
         pass). Returns (tokens to commit, what the round did)."""
-        batch = RoundBatch([request.rid], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [spec])
-        r = speculative_round(batch, request.policy, [request.drafter], request.target,
+        batch = RoundBatch([request.rid], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [spec],
+                           None if request.history is None else [request.history])
+        r = speculative_round(batch, request.policy, request.sources or [request.drafter], request.target,
                               max_depth=self.block_size - 1)
         accepted = r.report.accepted[0]
         logits = r.out.logits[0]
         # a drafting round's root entropy (metrics, the entropy law); an AR round's root is the next lead, which
         # the planner computed where a gate reads it
-        root_entropy = entropy_nats(logits[0]) if r.drafted else request.policy.lead_entropy(request.rid)
+        root_entropy = entropy_nats(logits[0]) if r.tree.num_rows > 1 else request.policy.lead_entropy(request.rid)
         predicted = r.plan.expected_tokens[0] if r.plan.expected_tokens else None
-        record = RoundRecord(r.tree.num_nodes if r.drafted else 0, accepted, root_entropy, predicted, r.drafted,
+        record = RoundRecord(r.tree.num_nodes, accepted, root_entropy, predicted, r.drafted,
                              choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1]])
         return r.walk.committed()[0], record
 
@@ -527,6 +573,15 @@ class GlanceEngine:
         rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
                                         torch.ones(1, 1, dtype=torch.bool))
         return int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0]), rows
+
+
+def check_draft_sources(names: Sequence[str]) -> tuple[str, ...]:
+    """Candidate-source names (``DRAFT_SOURCES``), validated and deduplicated in canonical order."""
+    names = [names] if isinstance(names, str) else list(names)
+    bad = [n for n in names if n not in DRAFT_SOURCES]
+    if bad or not names:
+        raise ValueError(f"draft sources must be a non-empty subset of {', '.join(DRAFT_SOURCES)}, got {names!r}")
+    return tuple(n for n in DRAFT_SOURCES if n in names)
 
 
 def default_max_nodes(budget: int, block_size: int, branch_k: int) -> int:

@@ -44,6 +44,7 @@ from typing import Callable, Hashable, Iterable, Literal, Sequence
 import torch
 
 from .metrics import entropies_nats
+from .tree import SOURCE_DRAFTER, SourceAcceptance
 
 PlannerMode = Literal["auto", "fixed"]
 PLANNER_MODES = ("auto", "fixed")
@@ -152,11 +153,14 @@ class CostModel:
     def observe_round(self, rows: int, batch: int, drafted: bool, drafter_ms: float, pass_ms: float,
                       host_ms: float) -> None:
         """One round's measured parts (ms): a drafting round refines the target-pass curve at ``rows`` per request,
-        the drafter pass at ``batch`` and the host overhead; a round without drafting is an AR step, whose host work
-        (the choice, the drafter's deferred context) is part of what an AR step costs (:meth:`observe_ar`)."""
-        if drafted:
+        the drafter pass at ``batch`` and the host overhead; a one-row round without the drafter is an AR step,
+        whose host work (the choice, the drafter's deferred context) is part of what an AR step costs
+        (:meth:`observe_ar`); a tree of other sources alone (n-gram matches) refines the pass curve and the
+        overhead."""
+        if drafted or rows > 1:
             self.observe_verify(rows, batch, pass_ms)
-            self.observe_draft(batch, drafter_ms)
+            if drafted:
+                self.observe_draft(batch, drafter_ms)
             self.observe_overhead(host_ms)
         else:
             self.observe_ar(batch, pass_ms, host_ms)
@@ -319,10 +323,15 @@ class DepthCalibration:
         logf[0] = 0.0
         return torch.cumsum(logf, 0).float()
 
-    def node_probs(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """Calibrated acceptance probability of every row, [B, R] (1 at the root), capped at 1."""
-        c = self.log_cumulative().to(scores.device)
-        return torch.exp(scores.float() + c[depths.clamp(max=self.max_depth)]).clamp(max=1.0)
+    def node_probs(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """Calibrated acceptance probability of every row, [B, R] (1 at the root), capped at 1. ``sources``: the
+        rows' source tags (``glance_sgl.tree``); only the drafter's own nodes are calibrated here (another source's
+        scores are its calibrated estimates already); None: every node is the drafter's."""
+        c = self.log_cumulative().to(scores.device)[depths.clamp(max=self.max_depth)]
+        if sources is not None:
+            c = torch.where(sources.to(c.device) == SOURCE_DRAFTER, c, 0.0)
+        return torch.exp(scores.float() + c).clamp(max=1.0)
 
     def observe(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
                 accepted_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
@@ -511,6 +520,7 @@ class Planner:
         self.fixed_nodes = self.max_nodes if self.fixed_nodes is None else min(self.fixed_nodes, self.max_nodes)
         self.depth = DepthCalibration(self.max_depth)
         self.entropy = EntropyTable(self.max_depth)
+        self.acceptance = SourceAcceptance(max_depth=max(self.max_depth, 1))
 
     # ------------------------------------------------------------ per request
     def state(self, rid: object) -> RequestPlanState:
@@ -588,25 +598,32 @@ class Planner:
         return Plan(0, [1.0] * len(rids), drafted=False)
 
     # ------------------------------------------------------------ step 2: how many nodes
-    def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """[B, R] expected accepted drafts of budget n = 0 .. R-1 per request, by the drafter's calibrated
-        probabilities, from the best-first tree's node scores / depths [B, R] (row 0 the root)."""
-        probs = self.depth.node_probs(scores, depths)
+    def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """[B, R] expected accepted drafts of budget n = 0 .. R-1 per request, by the calibrated node
+        probabilities, from the best-first tree's node scores / depths / source tags [B, R] (row 0 the root)."""
+        probs = self.depth.node_probs(scores, depths, sources)
         probs[:, 0] = 0.0
         return torch.cumsum(probs, dim=1)
 
-    def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor) -> Plan:
-        """The tree size for this batch after the drafter pass (the same for every request of the batch)."""
+    def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor,
+               sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan:
+        """The tree size for this batch after the candidate sources ran (the same for every request of the batch).
+        ``sources``: the candidates' source tags (None: the drafter's tree); ``drafter_ran``: False for candidates
+        of sources without a model pass (n-gram matches alone): the round then costs no drafter pass, and the
+        drafter's own record (its tree-size correction, the size its gate weighs) is left alone."""
         bs, rows = scores.shape
         limit = min(rows - 1, self.max_nodes)
-        raw = self.expected_accept(scores[:, : limit + 1], depths[:, : limit + 1])
-        ratio = torch.tensor([self.state(r).tree_ratio for r in rids], dtype=raw.dtype, device=raw.device)
+        sources = None if sources is None else sources[:, : limit + 1]
+        raw = self.expected_accept(scores[:, : limit + 1], depths[:, : limit + 1], sources)
+        ratio = torch.tensor([self.state(r).tree_ratio if drafter_ran else 1.0 for r in rids], dtype=raw.dtype,
+                             device=raw.device)
         curve = 1.0 + raw * ratio[:, None]
         per_n = curve.sum(0).tolist()  # [limit + 1]: the batch's expected tokens for budget n
         if self.mode == "fixed":
             n = min(self.fixed_nodes, limit)
         else:
-            draft = self.costs.draft_ms(bs) + self.costs.overhead_ms
+            draft = (self.costs.draft_ms(bs) if drafter_ran else 0.0) + self.costs.overhead_ms
             sizes = list(range(limit + 1)) if not self.row_menu else \
                 sorted({min(w - 1, limit) for w in self.row_menu if w >= 1})
             verify = self.costs.verify_ms_many([n + 1 for n in sizes], bs)
@@ -615,9 +632,10 @@ class Planner:
             # flat stretch of the curve is no reason to pay for more rows
             best = max(rates)
             n = next(size for size, rate in zip(sizes, rates) if rate >= best / self.margin)
-        for r in rids:
-            self.state(r).last_nodes = n
-        return Plan(n, curve[:, n].tolist(), raw_accept=raw[:, n].tolist())
+        if drafter_ran:
+            for r in rids:
+                self.state(r).last_nodes = n
+        return Plan(n, curve[:, n].tolist(), drafted=drafter_ran, raw_accept=raw[:, n].tolist())
 
     # ------------------------------------------------------------ step 3: feedback
     def report(self, report: RoundReport) -> None:
@@ -625,6 +643,10 @@ class Planner:
         leads = [self.leads.get(r) for r in report.rids]
         if report.drafted:
             self._observe_accepts(report, leads)
+        if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1:
+            # per source and depth, from trees that hold other sources' nodes (the drafter's own trees calibrate
+            # ``depth``; skipping them keeps a device-resident step free of host reads)
+            self.acceptance.observe(report.tree, report.walk.accepted_rows)
         if report.lead_logits is not None:
             # the entropy costs a pass over the vocabulary: only where the next gate may read it (not while every
             # request of a batch that did not draft is paused or held back)
@@ -639,7 +661,9 @@ class Planner:
     def _observe_accepts(self, report: RoundReport, lead_entropies: Sequence[float | None]) -> None:
         """What a drafted round accepted: per-depth calibration, entropy table, each request's record, probes."""
         plan, tree, walk = report.plan, report.tree, report.walk
-        if tree is not None and walk is not None and plan.nodes > 0:
+        # the drafter's per-depth calibration, from its own trees (a merged tree's other nodes are calibrated by
+        # ``acceptance``)
+        if tree is not None and walk is not None and plan.nodes > 0 and getattr(tree, "sources", None) is None:
             self.depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
         bs = report.batch
         round_ms, ar_ms = self.costs.round_ms(plan.nodes, bs), self.costs.ar_ms(bs)
@@ -698,9 +722,12 @@ class AlwaysDraft:
     def skip(self, rids: Sequence[object]) -> Plan:
         return Plan(0, [1.0] * len(rids), drafted=False)
 
-    def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor) -> Plan:
+    acceptance = None  # other sources score their nodes with their own priors
+
+    def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor,
+               sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan:
         """Every proposed node; no prediction (``expected_tokens`` empty)."""
-        return Plan(scores.shape[1] - 1, [])
+        return Plan(scores.shape[1] - 1, [], drafted=drafter_ran)
 
     def report(self, report: RoundReport) -> None:
         return None
@@ -728,13 +755,16 @@ class RandomPlanner(Planner):
     def gate(self, rids) -> bool:
         return self.rng.random() < 2 / 3
 
-    def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor) -> Plan:
+    def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
+               drafter_ran: bool = True) -> Plan:
         limit = min(scores.shape[1] - 1, self.max_nodes)
         n = self.rng.randint(0, limit)
-        raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1])[:, n]
-        for r in rids:
-            self.state(r).last_nodes = n
-        return Plan(n, [1.0 + float(a) for a in raw.tolist()], raw_accept=raw.tolist())
+        tags = None if sources is None else sources[:, : n + 1]
+        raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1], tags)[:, n]
+        if drafter_ran:
+            for r in rids:
+                self.state(r).last_nodes = n
+        return Plan(n, [1.0 + float(a) for a in raw.tolist()], drafted=drafter_ran, raw_accept=raw.tolist())
 
 
 __all__ = ["CostModel", "Planner", "RandomPlanner", "AlwaysDraft", "Plan", "RoundReport", "PlannerMode", "PLANNER_MODES",

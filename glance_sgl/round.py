@@ -12,8 +12,11 @@ small adapters:
   ``keep_rows`` in ``glance_sgl.target``; SGLang's verify / AR forward and ``compact_kv`` in the worker);
 - :class:`CandidateSource`: proposes a candidate tree and is fed what each round committed, whether it ran or
   not (the block drafter over its context store: ``glance_sgl.drafter.CachedDrafter`` in the embedded engine,
-  the draft KV pool in the worker). ``source_id`` names the source, so a second one (n-gram matches) can sit
-  beside the drafter;
+  the draft KV pool in the worker; n-gram matches: ``glance_sgl.ngram_source.NgramCandidates``). ``source_id``
+  is the source's tag (``glance_sgl.tree.SOURCE_*``). The planner's gate decides whether the drafter
+  (``SOURCE_DRAFTER``, a model pass) runs; sources without a model pass propose every round, and the trees of
+  several sources are merged under one row budget (``glance_sgl.tree.merge_trees``). So a round is, per the gate
+  and the configured sources: no draft (a plain AR step), n-gram candidates only, the drafter only, or merged;
 - the policy (:class:`glance_sgl.planner.Planner`, or ``AlwaysDraft`` for an ablation): ``gate``, ``skip``,
   ``choose`` and one ``report`` per round; it owns every per-request statistic, the lead entropy included.
 
@@ -30,7 +33,7 @@ from typing import Any, Hashable, Protocol, Sequence
 import torch
 
 from .planner import CostModel, Plan, RoundReport, calibrate
-from .tree import DraftTree
+from .tree import SOURCE_DRAFTER, DraftTree, merge_trees
 from .verify import SamplingSpec, WalkResult, verify_tree
 
 
@@ -107,7 +110,8 @@ class RoundPolicy(Protocol):
 
     def skip(self, rids: Sequence[Hashable]) -> Plan: ...
 
-    def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor) -> Plan: ...
+    def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor,
+               sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan: ...
 
     def report(self, report: RoundReport) -> None: ...
 
@@ -127,13 +131,14 @@ class RoundResult:
 
     @property
     def drafted(self) -> bool:
+        """Whether the drafter ran (other sources may have proposed without it)."""
         return self.plan.drafted
 
 
 def root_tree(roots: torch.Tensor) -> DraftTree:
     """The 1-row tree of a plain AR step: only the roots [bs] are verified."""
-    zeros = torch.zeros_like(roots)[:, None]
-    return DraftTree(roots[:, None], zeros - 1, zeros, zeros.float())
+    zeros = roots.new_zeros(roots.shape[0], 1)
+    return DraftTree(roots.view(-1, 1), zeros - 1, zeros, zeros.float())
 
 
 def chain_of(roots: torch.Tensor, rows: int) -> DraftTree:
@@ -146,16 +151,20 @@ def chain_of(roots: torch.Tensor, rows: int) -> DraftTree:
 
 def lead_rows(logits: torch.Tensor, walk: WalkResult) -> torch.Tensor:
     """[bs, V]: each request's logits at the row that produced its bonus token (the last accepted row)."""
+    if logits.shape[1] == 1:  # an AR step: the root's row
+        return logits[:, 0]
     dev = logits.device
     last = walk.accepted_rows.to(dev).gather(1, walk.accept_lens.to(dev)[:, None]).squeeze(1)
     return logits[torch.arange(logits.shape[0], device=dev), last]
 
 
-def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int) -> DraftTree:
-    """The candidates of every active source in one best-first tree of at most ``rows`` rows per request."""
-    if len(sources) != 1:
-        raise NotImplementedError("merging candidate sources into one tree comes with glance_sgl.tree's merge")
-    return sources[0].propose(batch, rows)
+def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int, max_depth: int | None = None
+            ) -> DraftTree:
+    """The candidates of every active source in one best-first tree of at most ``rows`` rows per request (several
+    sources: merged by token path, ``glance_sgl.tree.merge_trees``, nodes no deeper than ``max_depth``)."""
+    if len(sources) == 1:
+        return sources[0].propose(batch, rows)
+    return merge_trees([s.propose(batch, rows) for s in sources], rows, max_depth)
 
 
 def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence[CandidateSource],
@@ -167,18 +176,20 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     the sources' time (gate included), the target pass's, and the rest (choice, walk, keep, feeding the sources).
     """
     t0 = time.perf_counter()
-    # 1. gate: does drafting pay for this batch now? (no tensor work; every rank takes rank 0's answer)
-    drafting = bool(target.agree(int(planner.gate(batch.rids))))
-    if drafting:
+    # 1. gate: does the drafter's pass pay for this batch now? (no tensor work; every rank takes rank 0's answer)
+    has_drafter = any(s.source_id == SOURCE_DRAFTER for s in sources)
+    drafting = has_drafter and bool(target.agree(int(planner.gate(batch.rids))))
+    active = [s for s in sources if drafting or s.source_id != SOURCE_DRAFTER]
+    plan = None if drafting else planner.skip(batch.rids)  # the drafter's record: a round without it
+    if active:
         # 2. propose candidates at the largest tree, 3. choose how many rows of it to verify
-        candidates = propose(sources, batch, planner.max_nodes + 1)
+        candidates = propose(active, batch, planner.max_nodes + 1, max_depth)
         t1 = time.perf_counter()
-        plan = planner.choose(batch.rids, candidates.scores, candidates.depths)
+        plan = planner.choose(batch.rids, candidates.scores, candidates.depths, candidates.sources, drafting)
         # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs
         tree = candidates.prefix(target.agree(target.width(plan.nodes + 1)))
     else:  # a plain AR step: the root alone, no source runs
         t1 = t0
-        plan = planner.skip(batch.rids)
         tree = root_tree(batch.roots)
     t2 = time.perf_counter()
     # 5. one target pass over every request's tree
@@ -196,8 +207,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     accepted = walk.accept_lens.tolist()
     t4 = time.perf_counter()
     # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
-    report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if drafting else None,
-                         walk if drafting else None, lead, drafter_ms=1000.0 * (t1 - t0),
+    report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if active else None,
+                         walk if active else None, lead, drafter_ms=1000.0 * (t1 - t0),
                          pass_ms=1000.0 * (t3 - t2), host_ms=1000.0 * ((t2 - t1) + (t4 - t3)))
     planner.report(report)
     return RoundResult(tree, walk, plan, out, report, time.perf_counter())

@@ -291,6 +291,9 @@ def verify_tree(
     choices = target_choices(logits, depths, next_index, specs)
     depth = tokens.shape[1] - 1 if max_depth is None else max_depth
     if tokens.shape[1] == 1:  # the root alone (an AR step): nothing to walk, the choice is the bonus
+        if depth == 0:
+            return WalkResult(accepted_rows=torch.zeros_like(choices), accept_lens=choices.new_zeros(choices.shape[0]),
+                              bonus=choices[:, 0], committed_tokens=choices)
         pad = (0, depth)
         return WalkResult(accepted_rows=torch.nn.functional.pad(torch.zeros_like(choices), pad, value=-1),
                           accept_lens=torch.zeros_like(choices[:, 0]), bonus=choices[:, 0],

@@ -104,3 +104,31 @@ def test_lossless_random_tree_sizes_and_ar_rounds(arch, engines):
             rows_seen |= set(m.rows_per_round)
             skipped += m.rounds_without_drafting
     assert skipped > 0 and 1 in rows_seen and len(rows_seen) > 5  # AR rounds, root-only and many tree sizes ran
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lossless_random_source_mixes(arch, engines):
+    """Candidate sources mixed at random: n-gram matches alone (no drafter pass), the drafter alone, both merged
+    into one tree, AR rounds, any tree size. Greedy and seeded sampled outputs equal the AR path's token for token,
+    and n-gram candidates were verified and accepted."""
+    base = engines[arch]
+    engine = GlanceEngine(base.target, base.drafter, draft_sources=("drafter", "ngram"))
+    engine.install_planner("random", RandomPlanner(engine.cost_model(), engine.max_nodes, engine.block_size - 1,
+                                                   seed=9))
+    ngram_rounds = ngram_accepted = merged_rounds = 0
+    for i, messages in enumerate(make_prompts(10, seed=15)):
+        for params in (SamplingParams(max_tokens=MAX_TOKENS),
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=400 + i)):
+            ar = engine.generate(messages, params, mode="ar")
+            for sources in (("drafter", "ngram"), ("ngram",)):
+                got = engine.generate(messages, params, planner="random", draft_sources=sources)
+                assert got.token_ids == ar.token_ids, f"prompt {i}, {sources}, temperature {params.temperature}"
+                m = got.metrics
+                assert m.completion_tokens == 1 + sum(m.committed_per_round)
+                if sources == ("ngram",):
+                    assert m.drafter_passes == 0
+                    ngram_rounds += sum(r > 1 for r in m.rows_per_round)
+                    ngram_accepted += m.accepted_tokens
+                else:
+                    merged_rounds += m.drafter_passes
+    assert ngram_rounds > 0 and ngram_accepted > 0 and merged_rounds > 0

@@ -379,3 +379,21 @@ def test_one_report_per_round_carries_the_lead_entropy_and_the_round_costs():
     assert planner.lead_entropy("a") is None and planner.costs.ar_ms() > ar
     planner.forget("a")
     assert planner.known() == set()
+
+
+def test_candidates_without_the_drafter_pass_cost_no_drafter_time_and_leave_its_record():
+    """N-gram candidates alone (``drafter_ran=False``): the plan is not a drafting round, its nodes' scores are
+    taken as calibrated (no per-depth factor of the drafter), and the drafter's reference tree size is untouched."""
+    from glance_sgl.tree import SOURCE_NGRAM
+
+    planner = Planner(linear_costs(draft=5.0), max_nodes=15, max_depth=7)
+    tree = random_tree(3, 15, sharp=8.0)
+    planner.depth.hits[1:] *= 0.25  # the drafter's nodes are taken a quarter as often as it says
+    drafted = planner.choose(["a"], tree.scores, tree.depths)
+    tags = torch.full_like(tree.tokens, SOURCE_NGRAM)
+    tags[:, 0] = 0
+    ngram = planner.choose(["a"], tree.scores, tree.depths, tags, drafter_ran=False)
+    assert drafted.drafted and not ngram.drafted
+    assert planner.state("a").last_nodes == drafted.nodes
+    assert sum(planner.expected_accept(tree.scores, tree.depths, tags)[0]) > sum(
+        planner.expected_accept(tree.scores, tree.depths)[0])

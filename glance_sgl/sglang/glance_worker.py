@@ -52,7 +52,7 @@ from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.metrics import entropies_nats
 from glance_sgl.planner import cost_key, default_row_grid, save_costs
 from glance_sgl.round import PassOutput, RoundBatch, RoundResult, calibrate_round, speculative_round
-from glance_sgl.tree import DraftTree, build_tree
+from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree
 from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
 
 from .draft_graph import DraftPassRunner, draft_pass
@@ -606,7 +606,7 @@ class PoolDrafter:
     """The block drafter as the worker's candidate source (``glance_sgl.round.CandidateSource``), bound to one
     decode batch: its context lives in the draft KV pool; what a step commits is written there deferred."""
 
-    source_id = 0
+    source_id = SOURCE_DRAFTER
 
     def __init__(self, worker: GlanceWorker, batch: ScheduleBatch, seq_lens_cpu: list[int]) -> None:
         self.worker, self.batch, self.seq_lens_cpu = worker, batch, seq_lens_cpu

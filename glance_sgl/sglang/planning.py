@@ -122,7 +122,7 @@ class BatchCostModel(CostModel):
 
     def observe_round(self, rows: int, batch: int, drafted: bool, drafter_ms: float, pass_ms: float,
                       host_ms: float) -> None:
-        if drafted:
+        if drafted or rows > 1:
             self.ar_host_ms = 0.0
         super().observe_round(rows, batch, drafted, drafter_ms, pass_ms, host_ms)
 
