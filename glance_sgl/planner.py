@@ -613,6 +613,8 @@ class Planner:
         of sources without a model pass (n-gram matches alone): the round then costs no drafter pass, and the
         drafter's own record (its tree-size correction, the size its gate weighs) is left alone."""
         bs, rows = scores.shape
+        if rows == 1:  # nothing proposed (no n-gram match): the root alone, no tensor work
+            return Plan(0, [1.0] * bs, drafted=drafter_ran, raw_accept=[0.0] * bs)
         limit = min(rows - 1, self.max_nodes)
         sources = None if sources is None else sources[:, : limit + 1]
         raw = self.expected_accept(scores[:, : limit + 1], depths[:, : limit + 1], sources)
