@@ -127,7 +127,7 @@ def launch_managed_sglang(args: argparse.Namespace, config: ServerConfig, model:
     import torch
 
     from glance_sgl.sglang.launch import launch_sglang
-    from glance_sgl.sglang.planning import PLANNER_ENV
+    from glance_sgl.sglang.settings import PLANNER_ENV
 
     from .supervisor import ManagedSGLang
 

@@ -19,7 +19,7 @@ SGLang plumbing around it:
   after its prefix; grammar masks; the accepted rows' K/V moved to the front of the verify window,
   ``glance_kernels.compact_kv``). The round returns a ``GenerationBatchResult`` whose accept lengths include the
   bonus token (an AR step is a verify step with accept length 1; SGLang fills ``spec_verify_ct``,
-  ``spec_accept_length``... in ``meta_info``). On CUDA (or with ``GLANCE_SGL_DEVICE_STEP=1``) tree, walk and
+  ``spec_accept_length``... in ``meta_info``). On CUDA (or with ``GLANCE_SGL_STEP=device``) tree, walk and
   commits stay on the device: a step reads a few numbers per batch on the host (the planner's), never logits or
   trees.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 import zlib
 
@@ -60,7 +59,8 @@ from .draft_pool import DraftKVPool, committed_slots
 from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceVerifyInput, build_verify_input
 from .graphs import VerifyGraphs, graph_widths
-from .planning import BatchCostModel, load_batch_costs, make_planner, planner_mode_from_env
+from .planning import BatchCostModel, load_batch_costs, make_planner
+from .settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -150,15 +150,16 @@ class GlanceWorker(BaseSpecWorker):
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_runner: DraftPassRunner | None = None
         self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
-        self._profile = os.environ.get("GLANCE_SGL_PROFILE", "") not in ("", "0")
-        # the decode step on the device (tree, walk, commits: no host copy of logits or trees): always on CUDA;
-        # on a CPU the host heap and walk are faster, and GLANCE_SGL_DEVICE_STEP=1 runs the device code there
-        self.device_step = self.device_is_cuda or os.environ.get("GLANCE_SGL_DEVICE_STEP", "") == "1"
-        self._count_reads = os.environ.get("GLANCE_SGL_COUNT_HOST_READS", "") == "1"
+        self.settings = WorkerSettings.from_env()  # every GLANCE setting, validated once (settings.py)
+        self._profile = self.settings.profile
+        # the decode step on the device (tree, walk, commits: no host copy of logits or trees): the default on
+        # CUDA; on a CPU the host heap and walk are faster, and GLANCE_SGL_STEP=device runs the device code there
+        self.device_step = self.settings.device_step(self.device_is_cuda)
+        self._count_reads = self.settings.count_host_reads
         self._last_rows = 0
         self._calibrated_now = False
         self._counter = None  # the host-read counter of the step being counted
-        self.planner_mode, seed = planner_mode_from_env()
+        self.planner_mode, seed = self.settings.planner, self.settings.planner_seed
         key = cost_key("sglang", str(self.device), torch.cuda.get_device_name(self.device) if self.device_is_cuda
                        else "cpu", spec.speculative_draft_model_path, self.model_runner.model_config.model_path,
                        str(self.model_runner.dtype), self.server_args.attention_backend, torch.get_num_threads(),
@@ -189,13 +190,13 @@ class GlanceWorker(BaseSpecWorker):
     def init_cuda_graphs(self):
         """After SGLang captured the target's TARGET_VERIFY graphs at the full width (through the hooks of
         ``graphs.py``): the other widths' graphs, and the drafter pass's runner (captured per bucket on first
-        use). Without CUDA graphs nothing, unless ``GLANCE_SGL_STATIC_DRAFT=1`` asks for the drafter pass at the
+        use). Without CUDA graphs nothing, unless ``static_draft`` (``GLANCE_SGL_STATIC_DRAFT=1``) asks for the drafter pass at the
         runner's static shapes anyway (run eagerly: what a graph would replay, checked on a CPU)."""
         graphs = self.use_graphs and self.model_runner.decode_cuda_graph_runner is not None
-        if not graphs and os.environ.get("GLANCE_SGL_STATIC_DRAFT", "") != "1":
+        if not graphs and not self.settings.static_draft:
             return
         if graphs:
-            widths = graph_widths(self.draft_token_num)
+            widths = graph_widths(self.draft_token_num, self.settings.graph_widths)
             self.verify_graphs = VerifyGraphs(self.model_runner, self.draft_token_num, self.max_depth, widths)
             self.planner.row_menu = widths  # the planner weighs the trees the graphs can run
             max_bs = int(self.model_runner.decode_cuda_graph_runner.max_bs)

@@ -29,14 +29,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from . import ALGORITHM
 
 logger = logging.getLogger(__name__)
 
-WIDTHS_ENV = "GLANCE_CUDA_GRAPH_WIDTHS"
 DEFAULT_WIDTHS = (1, 4, 8, 16)
 
 
@@ -95,17 +93,13 @@ def register_graph_hooks() -> None:
     HookRegistry.apply_hooks()
 
 
-def graph_widths(full_width: int, env: str | None = None) -> list[int]:
-    """The TARGET_VERIFY widths to capture: ``GLANCE_CUDA_GRAPH_WIDTHS`` (comma-separated row counts) or
-    :data:`DEFAULT_WIDTHS`, clipped to ``full_width``, which is always included. ValueError on a bad list."""
-    text = os.environ.get(WIDTHS_ENV, "") if env is None else env
-    try:
-        asked = [int(x) for x in text.split(",") if x.strip()] if text.strip() else list(DEFAULT_WIDTHS)
-    except ValueError:
-        raise ValueError(f"{WIDTHS_ENV} must be a comma-separated list of row counts, got {text!r}") from None
-    if any(w < 1 for w in asked):
-        raise ValueError(f"{WIDTHS_ENV}: row counts must be >= 1, got {text!r}")
-    return sorted({w for w in asked if w < full_width} | {int(full_width)})
+def graph_widths(full_width: int, asked: Sequence[int] | None = None) -> list[int]:
+    """The TARGET_VERIFY widths to capture: ``asked`` (``WorkerSettings.graph_widths``,
+    ``GLANCE_CUDA_GRAPH_WIDTHS``) or :data:`DEFAULT_WIDTHS`, clipped to ``full_width``, which is always included."""
+    widths = list(DEFAULT_WIDTHS) if asked is None else [int(w) for w in asked]
+    if any(w < 1 for w in widths):
+        raise ValueError(f"graph widths must be row counts >= 1, got {widths}")
+    return sorted({w for w in widths if w < full_width} | {int(full_width)})
 
 
 def snap_rows(widths: list[int], rows: int) -> int:

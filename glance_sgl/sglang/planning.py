@@ -1,6 +1,6 @@
 """The planner as the SGLang worker uses it: mode selection, a batch-aware cost model, a test-only random policy.
 
-``GLANCE_PLANNER`` (environment of the SGLang server / engine process) picks the policy:
+``GLANCE_PLANNER`` (``WorkerSettings.planner``, :mod:`glance_sgl.sglang.settings`) picks the policy:
 
 - ``auto`` (default): :class:`glance_sgl.planner.Planner` in ``auto`` mode chooses per batch whether to draft
   and how many of the ``--speculative-num-draft-tokens - 1`` reserved tree rows to verify;
@@ -20,27 +20,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 
 from glance_sgl.planner import CostModel, Planner, RandomPlanner, _interp, cost_cache_dir
 
-PLANNER_ENV = "GLANCE_PLANNER"
 SGLANG_PLANNER_MODES = ("auto", "fixed", "random")
 SCALE_RATE = 0.05  # weight of one timing in the model's overall speed scale
 STEP_RATE = 0.1  # weight of one measured scheduler gap
-
-
-def planner_mode_from_env(value: str | None = None) -> tuple[str, int]:
-    """``(mode, seed)`` from ``GLANCE_PLANNER`` (``auto`` | ``fixed`` | ``random[:SEED]``); clear error if bad."""
-    raw = (os.environ.get(PLANNER_ENV, "auto") if value is None else value).strip().lower() or "auto"
-    mode, _, seed = raw.partition(":")
-    if mode not in SGLANG_PLANNER_MODES or (seed and mode != "random"):
-        raise ValueError(f"{PLANNER_ENV}={raw!r}: choose auto, fixed or random[:SEED] (random is for tests)")
-    try:
-        return mode, int(seed) if seed else 0
-    except ValueError:
-        raise ValueError(f"{PLANNER_ENV}={raw!r}: the random planner's seed must be an integer") from None
 
 
 # ---------------------------------------------------------------------------------------------- costs
@@ -186,11 +172,10 @@ def load_batch_costs(key: str) -> BatchCostModel | None:
 
 # ---------------------------------------------------------------------------------------------- policies
 def make_planner(mode: str, costs: CostModel, max_nodes: int, max_depth: int, seed: int = 0) -> Planner:
-    """The worker's planner for ``mode`` (see :func:`planner_mode_from_env`)."""
+    """The worker's planner for ``mode`` (``WorkerSettings.planner``: ``GLANCE_PLANNER``)."""
     if mode == "random":
         return RandomPlanner(costs, max_nodes, max_depth, mode="auto", seed=seed)
     return Planner(costs, max_nodes, max_depth, mode=mode)
 
 
-__all__ = ["BatchCostModel", "load_batch_costs", "make_planner", "planner_mode_from_env", "PLANNER_ENV",
-           "SGLANG_PLANNER_MODES"]
+__all__ = ["BatchCostModel", "load_batch_costs", "make_planner", "SGLANG_PLANNER_MODES"]

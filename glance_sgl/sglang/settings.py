@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Mapping
 
+PLANNER_ENV = "GLANCE_PLANNER"  # also set by `glance serve --backend sglang --planner` for its server
 PLANNERS = ("auto", "fixed", "random")
 STEPS = ("auto", "host", "device")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -114,4 +115,4 @@ class WorkerSettings:
         return self.step == "device" or (self.step == "auto" and on_cuda)
 
 
-__all__ = ["SettingsError", "WorkerSettings", "parse_planner", "parse_widths"]
+__all__ = ["PLANNER_ENV", "SettingsError", "WorkerSettings", "parse_planner", "parse_widths"]

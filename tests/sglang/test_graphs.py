@@ -94,13 +94,17 @@ def test_dummy_matches_the_eager_verify_input(hooks):
 
 def test_graph_widths_and_snapping():
     from glance_sgl.sglang.graphs import DEFAULT_WIDTHS, graph_widths, snap_rows
+    from glance_sgl.sglang.settings import WorkerSettings
 
-    assert graph_widths(32, "") == sorted(set(DEFAULT_WIDTHS) | {32})
-    assert graph_widths(8, "1,2,16") == [1, 2, 8]
-    assert graph_widths(32, " 4 , 12 ") == [4, 12, 32]
+    def widths(text: str) -> tuple[int, ...] | None:  # GLANCE_CUDA_GRAPH_WIDTHS as the worker gets it
+        return WorkerSettings.from_env({"GLANCE_CUDA_GRAPH_WIDTHS": text}).graph_widths
+
+    assert graph_widths(32, widths("")) == graph_widths(32) == sorted(set(DEFAULT_WIDTHS) | {32})
+    assert graph_widths(8, widths("1,2,16")) == [1, 2, 8]
+    assert graph_widths(32, widths(" 4 , 12 ")) == [4, 12, 32]
     for bad in ("x", "0,4", "-1"):
         with pytest.raises(ValueError, match="GLANCE_CUDA_GRAPH_WIDTHS"):
-            graph_widths(32, bad)
+            widths(bad)
     widths = [1, 4, 8, 16, 32]
     assert [snap_rows(widths, r) for r in (1, 2, 4, 5, 9, 17, 32)] == [1, 4, 4, 8, 16, 32, 32]
 

@@ -14,20 +14,6 @@ from tests.glance_testing import tiny_bound_drafter
 sglang = pytest.importorskip("sglang")
 
 
-def test_planner_mode_from_env(monkeypatch):
-    from glance_sgl.sglang.planning import planner_mode_from_env
-
-    monkeypatch.delenv("GLANCE_PLANNER", raising=False)
-    assert planner_mode_from_env() == ("auto", 0)
-    assert planner_mode_from_env(" Fixed ") == ("fixed", 0)
-    assert planner_mode_from_env("random:17") == ("random", 17)
-    monkeypatch.setenv("GLANCE_PLANNER", "random")
-    assert planner_mode_from_env() == ("random", 0)
-    for bad in ("greedy", "fixed:3", "random:x"):
-        with pytest.raises(ValueError, match="GLANCE_PLANNER"):
-            planner_mode_from_env(bad)
-
-
 def test_batch_cost_model_interpolates_refines_and_round_trips(tmp_path, monkeypatch):
     from glance_sgl.planner import save_costs
     from glance_sgl.sglang.planning import BatchCostModel, load_batch_costs
