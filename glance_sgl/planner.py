@@ -191,9 +191,17 @@ def default_row_grid(max_rows: int) -> list[int]:
     return sorted(set(grid))
 
 
+def _sync() -> None:
+    """Wait for queued CUDA work (a calibration times passes, not their launches); nothing on a CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time_ms(fn: Callable[[], None]) -> float:
+    _sync()
     t0 = time.perf_counter()
     fn()
+    _sync()
     return (time.perf_counter() - t0) * 1000.0
 
 
