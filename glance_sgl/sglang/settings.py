@@ -9,6 +9,8 @@ any model loads). Nothing else in the plugin reads the environment; the worker t
 | variable | setting | values (default first) | what it does |
 |---|---|---|---|
 | ``GLANCE_PLANNER`` | ``planner``, ``planner_seed`` | ``auto`` / ``fixed`` / ``random[:SEED]`` | the planning policy (``random``: tests) |
+| ``GLANCE_DRAFT_SOURCES`` | ``draft_sources`` | ``drafter`` / ``ngram`` / ``drafter,ngram`` | the candidate sources of the verify tree (``ngram``: SGLang's ``NgramCorpus`` over the request's prompt, its output and recent answers, no model pass; several: one merged tree) |
+| ``GLANCE_NGRAM_CORPUS`` | ``ngram_corpus`` | ``shared`` / ``per-key`` / ``off`` | which recent answers the n-gram source matches besides the request's own tokens (``NgramSettings.scope``) |
 | ``GLANCE_CUDA_GRAPH_WIDTHS`` | ``graph_widths`` | default widths / ``1,4,8,...`` | the verify widths captured in CUDA graphs |
 | ``GLANCE_SGL_STEP`` | ``step`` | ``auto`` / ``host`` / ``device`` | where the step's tree build and walk run (``auto``: the device on CUDA, the host elsewhere) |
 | ``GLANCE_SGL_STATIC_DRAFT`` | ``static_draft`` | ``0`` / ``1`` | the drafter pass with the static shapes of its graphs, without graphs (CPU tests of the GPU path) |
@@ -29,6 +31,8 @@ from typing import Literal, Mapping
 PLANNER_ENV = "GLANCE_PLANNER"  # also set by `glance serve --backend sglang --planner` for its server
 PLANNERS = ("auto", "fixed", "random")
 STEPS = ("auto", "host", "device")
+DRAFT_SOURCES = ("drafter", "ngram")  # glance_sgl.engine.DRAFT_SOURCES, in the same canonical order
+NGRAM_CORPORA = ("shared", "per-key", "off")  # glance_sgl.ngram_source.SCOPES
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 Step = Literal["auto", "host", "device"]
@@ -72,6 +76,16 @@ def parse_widths(raw: str, name: str = "GLANCE_CUDA_GRAPH_WIDTHS") -> tuple[int,
     return widths
 
 
+def parse_draft_sources(raw: str, name: str = "GLANCE_DRAFT_SOURCES") -> tuple[str, ...]:
+    """A comma list of ``drafter`` / ``ngram`` (case and blanks ignored; empty = the drafter alone), deduplicated in
+    canonical order."""
+    names = [x.strip().lower() for x in raw.split(",") if x.strip()] or ["drafter"]
+    bad = [x for x in names if x not in DRAFT_SOURCES]
+    if bad:
+        raise SettingsError(f"{name}={raw!r}: a comma list of drafter, ngram (unknown: {', '.join(bad)})")
+    return tuple(x for x in DRAFT_SOURCES if x in names)
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """What the GLANCE worker does beyond SGLang's own server arguments (the module docstring's table)."""
@@ -84,6 +98,8 @@ class WorkerSettings:
     profile: bool = False
     count_host_reads: bool = False
     dump_taps: Path | None = None
+    draft_sources: tuple[str, ...] = ("drafter",)
+    ngram_corpus: str = "shared"
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -92,6 +108,11 @@ class WorkerSettings:
             raise SettingsError(f"step must be one of {STEPS}, got {self.step!r}")
         if self.graph_widths is not None and (not self.graph_widths or min(self.graph_widths) < 1):
             raise SettingsError(f"graph_widths must be row counts >= 1, got {self.graph_widths!r}")
+        if not self.draft_sources or any(x not in DRAFT_SOURCES for x in self.draft_sources):
+            raise SettingsError(f"draft_sources must be a non-empty subset of {DRAFT_SOURCES}, got "
+                                f"{self.draft_sources!r}")
+        if self.ngram_corpus not in NGRAM_CORPORA:
+            raise SettingsError(f"ngram_corpus must be one of {NGRAM_CORPORA}, got {self.ngram_corpus!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerSettings":
@@ -106,13 +127,19 @@ class WorkerSettings:
             step = "device"
         dump = env.get("GLANCE_SGL_DUMP_TAPS", "").strip()
         widths = parse_widths(env.get("GLANCE_CUDA_GRAPH_WIDTHS", ""))
+        sources = parse_draft_sources(env.get("GLANCE_DRAFT_SOURCES", ""))
+        corpus = env.get("GLANCE_NGRAM_CORPUS", "").strip().lower() or "shared"
+        if corpus not in NGRAM_CORPORA:
+            raise SettingsError(f"GLANCE_NGRAM_CORPUS={env['GLANCE_NGRAM_CORPUS']!r}: choose shared, per-key or off")
         return cls(planner=planner, planner_seed=seed, graph_widths=widths, step=step,
                    static_draft=_flag(env, "GLANCE_SGL_STATIC_DRAFT"), profile=_flag(env, "GLANCE_SGL_PROFILE"),
-                   count_host_reads=_flag(env, "GLANCE_SGL_COUNT_HOST_READS"), dump_taps=Path(dump) if dump else None)
+                   count_host_reads=_flag(env, "GLANCE_SGL_COUNT_HOST_READS"), dump_taps=Path(dump) if dump else None,
+                   draft_sources=sources, ngram_corpus=corpus)
 
     def device_step(self, on_cuda: bool) -> bool:
         """Whether the step's tree build and walk run as device tensors (no per-request host loops)."""
         return self.step == "device" or (self.step == "auto" and on_cuda)
 
 
-__all__ = ["PLANNER_ENV", "SettingsError", "WorkerSettings", "parse_planner", "parse_widths"]
+__all__ = ["PLANNER_ENV", "SettingsError", "WorkerSettings", "parse_draft_sources", "parse_planner",
+           "parse_widths"]
