@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+LEGACY_MODEL_TYPE = "glance_drafter"  # the former flat checkpoint layout: read, converted, never the default
+
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 GLANCE_SECTION = "glance"  # GLANCE's own settings inside a DFlash config.json (DFlash and SGLang ignore it)
@@ -76,7 +78,6 @@ class GlanceConfig:
     budget: int = 63
     branch_k: int = 8
     target_model_type: str = ""
-    model_type: str = "glance_drafter"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -109,6 +110,8 @@ class GlanceConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GlanceConfig":
+        """The config of its flat fields (:meth:`to_dict`); the former layout's ``model_type`` marker is dropped."""
+        data = {k: v for k, v in data.items() if not (k == "model_type" and v == LEGACY_MODEL_TYPE)}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -122,7 +125,7 @@ class GlanceConfig:
             raise ValueError(f"unknown drafter config format {format!r}; expected 'dflash' or 'glance'")
         path = Path(directory) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.to_dflash_dict() if format == "dflash" else self.to_dict()
+        data = self.to_dflash_dict() if format == "dflash" else {"model_type": LEGACY_MODEL_TYPE, **self.to_dict()}
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         return path
 
@@ -283,7 +286,7 @@ class GlanceConfig:
 def config_format(data: dict[str, Any]) -> str | None:
     """``"dflash"`` for a DFlash draft config (``architectures`` naming DFlashDraftModel, or a ``dflash_config``
     section), ``"glance"`` for the former ``model_type: glance_drafter`` layout, else None."""
-    if data.get("model_type") == "glance_drafter":
+    if data.get("model_type") == LEGACY_MODEL_TYPE:
         return "glance"
     if DFLASH_ARCHITECTURE in (data.get("architectures") or []) or isinstance(data.get("dflash_config"), dict):
         return "dflash"

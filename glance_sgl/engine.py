@@ -1,7 +1,7 @@
 """The embedded engine: one request at a time, prefill then rounds of draft / tree / verify / commit.
 
 The decoding loop reads like gpt-fast's ``generate.py``: ``prefill`` gives the first token, then
-``speculative_round`` (GLANCE) or ``ar_step`` (the autoregressive baseline) runs until EOS, a stop string, the
+``speculative_round`` (GLANCE) or ``_ar_pass`` (the autoregressive baseline) runs until EOS, a stop string, the
 token limit or cancellation. Committed tokens stream out through a callback or :meth:`GlanceEngine.stream`.
 The round itself is ``glance_sgl.round`` (the SGLang worker's too), run here as a batch of one over the request's
 Hugging Face cache (``target.CachePass``) and its drafter context (``drafter.CachedDrafter``); this module keeps
@@ -562,10 +562,6 @@ class GlanceEngine:
         record = RoundRecord(r.tree.num_nodes, accepted, root_entropy, predicted, r.drafted,
                              choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1]])
         return r.walk.committed()[0], record
-
-    def ar_step(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> list[int]:
-        """One autoregressive step: the last committed token through the target, one new token out."""
-        return [self._ar_pass(state, committed, spec)[0]]
 
     def _ar_pass(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> tuple[int, RowsOutput]:
         """The last committed token through the target: the next token and the row (the AR baseline)."""

@@ -129,8 +129,10 @@ class CostModel:
         for j in range(1, len(ys)):  # a pass over more rows never costs less
             ys[j] = max(ys[j], ys[j - 1])
 
-    def _observe(self, xs: list[int], ys: list[float], x: float, ms: float) -> None:
-        pred = _interp(xs, ys, x) * self.scale
+    def _observe(self, xs: list[int], ys: list[float], x: float, ms: float, pred: float | None = None) -> None:
+        """One measured time ``ms`` at ``x`` on the curve ``(xs, ys)``: the scale moves quickly, the curve's shape
+        near ``x`` slowly. ``pred``: the model's prediction of ``ms`` (default: the curve's at ``x``, scaled)."""
+        pred = _interp(xs, ys, x) * self.scale if pred is None else pred
         if pred <= 0 or not math.isfinite(ms) or ms <= 0:
             return
         ratio = min(max(ms / pred, 0.5), 2.0)  # one slow round (GC, a noisy neighbour) moves little

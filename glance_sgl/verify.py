@@ -189,9 +189,8 @@ class WalkResult:
     bonus: torch.Tensor
     committed_tokens: torch.Tensor
 
-    def committed(self, tokens: torch.Tensor | None = None) -> list[list[int]]:
-        """Tokens committed per request as host lists (two copies): the accepted drafted tokens, then the bonus.
-        ``tokens`` (the trees' tokens) is accepted for older callers and unused: ``committed_tokens`` holds them."""
+    def committed(self) -> list[list[int]]:
+        """Tokens committed per request as host lists (two copies): the accepted drafted tokens, then the bonus."""
         lens = self.accept_lens.tolist()
         return [row[: n + 1] for row, n in zip(self.committed_tokens.tolist(), lens)]
 

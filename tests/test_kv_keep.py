@@ -47,7 +47,7 @@ def test_kv_after_round_equals_sequential_decoding(arch, accept_depth, targets):
                                taps=[0, len(target.layers) - 1])
     walk = verify_tree(tree.tokens, tree.parents, tree.depths, rows.logits[None], torch.tensor([1]), [SamplingSpec()])
     n = int(walk.accept_lens[0])
-    committed = walk.committed(tree.tokens)[0]
+    committed = walk.committed()[0]
     assert n == accept_depth
     assert committed == truth[: accept_depth + 1]
     target.keep_rows(state, tree.num_rows, walk.accepted_rows[0, : n + 1])

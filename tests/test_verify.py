@@ -60,14 +60,14 @@ def test_walk_matches_brute_force(seed):
         assert walk.accepted_rows[b, : n + 1].tolist() == path
         assert torch.all(walk.accepted_rows[b, n + 1 :] == -1)
         assert int(walk.bonus[b]) == bonus
-        assert walk.committed(tokens)[b] == [trees[b][1][j] for j in path[1:]] + [bonus]
+        assert walk.committed()[b] == [trees[b][1][j] for j in path[1:]] + [bonus]
 
 
 def test_root_only_tree():
     for walk in (greedy_walk(torch.tensor([[5]]), torch.tensor([[-1]]), torch.tensor([[9]])),
                  device_walk(torch.tensor([[5]]), torch.tensor([[-1]]), torch.tensor([[9]]), 0)):
         assert walk.accept_lens.tolist() == [0] and walk.bonus.tolist() == [9]
-        assert walk.committed(torch.tensor([[5]])) == [[9]] and walk.committed_tokens.tolist() == [[9]]
+        assert walk.committed() == [[9]] and walk.committed_tokens.tolist() == [[9]]
     # verify_tree's shortcut for 1-row trees (AR steps) is both walks' result, at any depth cap
     rng = random.Random(0)
     for cap in (None, 0, 3):
@@ -93,7 +93,7 @@ def sample_first_two(logits_root, logits_child, tree_tokens, parents, depths, se
     for s in seeds:
         logits = torch.stack([logits_root] + [logits_child] * (tree_tokens.shape[0] - 1))[None]
         walk = verify_tree(tree_tokens[None], parents[None], depths[None], logits, torch.tensor([0]), [spec_of(s)])
-        committed = walk.committed(tree_tokens[None])[0]
+        committed = walk.committed()[0]
         firsts.append(committed[0])
         seconds.append(committed[1] if len(committed) > 1 else None)
     return firsts, seconds
@@ -207,7 +207,7 @@ def test_tensor_walk_equals_host_walk(seed):
                 assert dev.accepted_rows[b].tolist() == path + [-1] * (cap + 1 - len(path)) and n == len(path) - 1
                 assert int(dev.bonus[b]) == bonus
                 want = tokens[b, path[1:]].tolist() + [bonus]
-                assert dev.committed(tokens)[b] == want
+                assert dev.committed()[b] == want
                 assert dev.committed_tokens[b].tolist() == want + [-1] * (cap + 1 - len(want))
             accepted += dev.accept_lens.tolist()
     assert sum(accepted) / len(accepted) > 1 and max(accepted) >= 5, accepted  # forced tokens: long walks

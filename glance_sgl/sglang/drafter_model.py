@@ -51,8 +51,8 @@ class GlanceDrafterForSGLang(nn.Module):
         if not isinstance(config, GlanceConfig):
             data = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
             if config_format(data) != "dflash":
-                data["model_type"] = "glance_drafter"
                 data = {k: v for k, v in data.items() if k in GlanceConfig.__dataclass_fields__}
+                data["model_type"] = "glance_drafter"
             config = GlanceConfig.from_any_dict(data)
         self.config = config
         self.drafter = GlanceDrafter(config)

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from glance_sgl.planner import CostModel, Planner, RandomPlanner, _interp, cost_cache_dir
 
 SGLANG_PLANNER_MODES = ("auto", "fixed", "random")
-SCALE_RATE = 0.05  # weight of one timing in the model's overall speed scale
 STEP_RATE = 0.1  # weight of one measured scheduler gap
 
 
@@ -92,13 +91,8 @@ class BatchCostModel(CostModel):
         calibrated curve's shape near ``rows`` slowly (a busy spell does not bend the curves)."""
         if not self.curves:
             return super().observe_verify(rows, batch, ms)
-        pred = self.pass_ms(rows, batch)
-        if pred <= 0 or not math.isfinite(ms) or ms <= 0:
-            return
-        ratio = min(max(ms / pred, 0.5), 2.0)
-        self.scale *= 1 + SCALE_RATE * (ratio - 1)
         xs, ys = self.curves[self._nearest(self.curves, batch)]
-        self._refine(xs, ys, float(rows), ratio)  # the base model's slow shape update
+        self._observe(xs, ys, float(rows), ms, pred=self.pass_ms(rows, batch))  # the base model's update
 
     def observe_ar(self, batch: int, pass_ms: float, host_ms: float) -> None:
         """An AR step: the pass refines the one-row curve; its host work is paid by every step, so it joins the
