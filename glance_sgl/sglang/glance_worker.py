@@ -49,6 +49,7 @@ import glance_kernels
 from glance_sgl.drafter import GlanceDrafter
 from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.metrics import entropies_nats
+from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource
 from glance_sgl.planner import cost_key, default_row_grid, save_costs
 from glance_sgl.round import PassOutput, RoundBatch, RoundResult, calibrate_round, speculative_round
 from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree
@@ -91,7 +92,7 @@ def sampling_spec(req) -> SamplingSpec:
 
 
 class StepStats:
-    """Counts of decode steps by rows verified per request (0 = an AR step without the drafter pass), logged
+    """Counts of decode steps by rows verified per request (0 = an AR step: no candidate verified), logged
     every 200 steps when ``GLANCE_SGL_PROFILE=1``."""
 
     def __init__(self, log: bool) -> None:
@@ -163,11 +164,24 @@ class GlanceWorker(BaseSpecWorker):
         key = cost_key("sglang", str(self.device), torch.cuda.get_device_name(self.device) if self.device_is_cuda
                        else "cpu", spec.speculative_draft_model_path, self.model_runner.model_config.model_path,
                        str(self.model_runner.dtype), self.server_args.attention_backend, torch.get_num_threads(),
-                       self.draft_token_num, self.branch_k, self.max_depth)
+                       self.draft_token_num, self.branch_k, self.max_depth,
+                       *([] if self.settings.draft_sources == ("drafter",) else [self.settings.draft_sources]))
         cached = load_batch_costs(key)
         costs = cached if cached is not None else BatchCostModel.prior(key)
         self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed)
         self.stats = StepStats(self._profile)
+        # n-gram candidates (GLANCE_DRAFT_SOURCES=...,ngram): SGLang's NgramCorpus over each request's prompt, its
+        # committed output and recent answers, one source per worker, proposed every step beside the drafter's tree
+        self.draft_sources = self.settings.draft_sources
+        self.ngram: NgramCandidates | None = None
+        self._vocab = int(self.model_runner.model_config.vocab_size)
+        if "ngram" in self.draft_sources:
+            # prompt ids SGLang replaced by multimodal pad values (outside the vocabulary) are never matched
+            ngram = NgramSource(NgramSettings(scope=self.settings.ngram_corpus, max_depth=self.max_depth,
+                                              max_nodes=self.budget, skip_tokens=(-1,)))
+            if not ngram.available:
+                raise ValueError(ngram.reason)
+            self.ngram = NgramCandidates(ngram, getattr(self.planner, "acceptance", None))
         self._last_round_end: float | None = None  # when the previous decode step's round ended (perf_counter s)
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
                     "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
@@ -224,18 +238,26 @@ class GlanceWorker(BaseSpecWorker):
             self.draft_pool.drop_pending()  # the draft K/V live in SGLang's slots: freeing the slots frees them
         for rid in self.planner.known():  # a flush happens with no request running
             self.planner.forget(rid)
+        if self.ngram is not None:
+            for rid in list(self.ngram.source._requests):
+                self.ngram.finish(rid, publish=False)
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
         self.planner.forget(rid)
+        if self.ngram is not None:
+            self.ngram.finish(rid)  # its answer stays in the cross-request corpus
 
     def _purge(self, live: set[str]) -> None:
         """Per-request host state of requests absent from a decode batch, which holds every running request
         (absent: finished, aborted without a notice, or retracted; a retracted one's lead entropy is set again when
         it is prefilled again)."""
-        for rid in self.planner.known() - live:
+        known = self.planner.known()
+        if self.ngram is not None:
+            known = known | set(self.ngram.source._requests)
+        for rid in known - live:
             self._forget(rid)
 
     @property
@@ -451,10 +473,15 @@ class GlanceWorker(BaseSpecWorker):
                                          else seq_lens.tolist())]
         roots = self._roots(batch)
         rounds = RoundBatch(rids, roots, torch.tensor([len(req.output_ids) for req in batch.reqs], device=self.device),
-                            [sampling_spec(req) for req in batch.reqs])
+                            [sampling_spec(req) for req in batch.reqs],
+                            None if self.ngram is None else _RequestTokens(batch.reqs, self._vocab))
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
         source = PoolDrafter(self, batch, seq_lens_cpu)
-        if self._maybe_calibrate(batch, rounds, target, source):
+        sources = [source] if "drafter" in self.draft_sources else []
+        if self.ngram is not None:
+            self._start_ngram(batch)
+            sources.append(self.ngram)
+        if self._maybe_calibrate(batch, rounds, target, sources):
             self._calibrated_now = True
             self._last_round_end = None  # the calibration is not the scheduler's time
         gap_ms = None
@@ -462,7 +489,7 @@ class GlanceWorker(BaseSpecWorker):
             gap_ms = 1000 * (time.perf_counter() - self._last_round_end)
             self.planner.costs.observe_gap(bs, gap_ms)
 
-        r = speculative_round(rounds, self.planner, [source], target, max_depth=self.max_depth,
+        r = speculative_round(rounds, self.planner, sources, target, max_depth=self.max_depth,
                               device_resident=self.device_step)
         self._last_round_end = r.ended
         self._log_step(r, gap_ms)
@@ -480,9 +507,18 @@ class GlanceWorker(BaseSpecWorker):
         return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens,
                             seq_lens + accept_lens, on_publish)
 
+    def _start_ngram(self, batch: ScheduleBatch) -> None:
+        """Requests the n-gram source has not seen yet (their first decode step): their prompt token ids and the
+        output committed so far (the prefill's first token). The round's adapter feeds every later step's."""
+        source = self.ngram.source
+        for req in batch.reqs:
+            if req.rid not in source._requests:
+                source.add_request(req.rid, _in_vocab(req.origin_input_ids, self._vocab))
+                source.commit(req.rid, req.output_ids)
+
     def _log_step(self, r: RoundResult, gap_ms: float | None) -> None:
         """Step statistics; with ``GLANCE_SGL_PROFILE=1`` each step's parts logged."""
-        rows = r.tree.num_rows if r.drafted else 0
+        rows = r.tree.num_rows if r.drafted or r.tree.num_rows > 1 else 0  # n-gram rows without the drafter too
         self.stats.record(r.report.batch, rows)
         self._last_rows = rows
         if self._profile:
@@ -540,7 +576,7 @@ class GlanceWorker(BaseSpecWorker):
 
     # ------------------------------------------------------------------ cost model calibration
     def _maybe_calibrate(self, batch: ScheduleBatch, rounds: RoundBatch, target: "SGLangRows",
-                         source: "PoolDrafter") -> bool:
+                         sources: list) -> bool:
         """Measure the target pass at every row count of the grid and the drafter pass, on THIS batch, the first
         time a batch size of a new power-of-two bucket decodes (not for the ``fixed`` planner; skipped when the
         cached calibration covers it). The passes write K/V only into the slots SGLang reserved for this step, which
@@ -554,7 +590,7 @@ class GlanceWorker(BaseSpecWorker):
             return False
         t0 = time.perf_counter()
         grid = self.verify_graphs.widths if self.verify_graphs is not None else default_row_grid(self.draft_token_num)
-        measured = calibrate_round(target, [source], rounds, grid, self.draft_token_num, repeats=3)
+        measured = calibrate_round(target, sources, rounds, grid, self.draft_token_num, repeats=3)
         costs.add_curve(bs, [x // bs for x in measured.verify_rows], measured.verify_ms_at)
         costs.add_draft_point(bs, measured.draft_ms_at[0])
         batch.forward_mode = ForwardMode.DECODE
@@ -563,6 +599,27 @@ class GlanceWorker(BaseSpecWorker):
                     time.perf_counter() - t0, grid, [round(x, 2) for x in costs.curves[bs][1]],
                     measured.draft_ms_at[0], f"; cached in {saved}" if saved else "")
         return True
+
+
+def _in_vocab(ids, vocab: int) -> list[int]:
+    """Token ids with those outside ``[0, vocab)`` (SGLang's multimodal pad values) as -1, the n-gram source's
+    skip token: never matched, never proposed."""
+    return [t if 0 <= t < vocab else -1 for t in map(int, ids)]
+
+
+class _RequestTokens:
+    """``RoundBatch.tokens`` of a decode batch, read lazily: request b's prompt + output token ids (the n-gram
+    adapter reads them only for a request it must re-add)."""
+
+    def __init__(self, reqs, vocab: int) -> None:
+        self.reqs, self.vocab = reqs, vocab
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __getitem__(self, b: int) -> list[int]:
+        req = self.reqs[b]
+        return _in_vocab(req.origin_input_ids, self.vocab) + list(req.output_ids)
 
 
 class SGLangRows:
