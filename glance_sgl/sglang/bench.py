@@ -1,8 +1,13 @@
 """Benchmark through SGLang on this machine: GLANCE (auto / fixed planner) vs no speculation vs SGLang's NGRAM.
 
     python -m glance_sgl.sglang.bench [--model DIR --drafter DIR] [--prompts 32] [--max-tokens 64]
-        [--methods none,ngram,glance,glance-fixed] [--concurrency 1,4,16] [--wild 16] [--wild-concurrency 1,8]
-        [--interleave]
+        [--methods none,ngram,glance,glance-fixed,glance+ngram] [--concurrency 1,4,16] [--wild 16]
+        [--wild-concurrency 1,8] [--interleave] [--step-stats --log-dir DIR]
+
+``glance+ngram`` is GLANCE (auto planner) with the n-gram source's candidates merged into the drafter's tree
+(``GLANCE_DRAFT_SOURCES=drafter,ngram``). ``--step-stats`` (with ``--log-dir``) logs every GLANCE step
+(``GLANCE_SGL_PROFILE=1``, a small cost for the GLANCE methods alike) and adds the mean rows verified per request
+and step to the table (NGRAM verifies ``--ngram-draft-tokens`` rows, no speculation 1).
 
 The same harness for every method, each method in a fresh engine in its own process (``runner.EngineProcess``),
 one method after the other, or with ``--interleave`` all engines alive at once and each scenario's request chunks
@@ -32,12 +37,16 @@ from typing import Any
 
 from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, wild_requests
 
-METHODS = ("none", "ngram", "glance", "glance-fixed")
+import re
+
+METHODS = ("none", "ngram", "glance", "glance-fixed", "glance+ngram")
+GLANCE_METHODS = ("glance", "glance-fixed", "glance+ngram")
 
 
 def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_tokens: int,
                   glance_tokens: int | None = None, cuda_graphs: bool = True) -> dict[str, Any]:
-    algo = {"none": None, "ngram": "NGRAM", "glance": "GLANCE", "glance-fixed": "GLANCE"}[method]
+    algo = {"none": None, "ngram": "NGRAM", "glance": "GLANCE", "glance-fixed": "GLANCE",
+            "glance+ngram": "GLANCE"}[method]
     if device == "cpu":
         kw = cpu_engine_kwargs(model, drafter, algorithm=algo)
     else:
@@ -54,9 +63,26 @@ def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_to
     return kw
 
 
-def engine_env(method: str) -> dict[str, str]:
-    """The planner of a GLANCE method (``GLANCE_PLANNER``; see glance_sgl/sglang/planning.py)."""
-    return {"GLANCE_PLANNER": "fixed" if method == "glance-fixed" else "auto"}
+def engine_env(method: str, step_stats: bool = False) -> dict[str, str]:
+    """The planner of a GLANCE method (``GLANCE_PLANNER``; see glance_sgl/sglang/planning.py), its candidate
+    sources (``GLANCE_DRAFT_SOURCES``) and, with ``step_stats``, its per-step log (``GLANCE_SGL_PROFILE``)."""
+    env = {"GLANCE_PLANNER": "fixed" if method == "glance-fixed" else "auto"}
+    if method == "glance+ngram":
+        env["GLANCE_DRAFT_SOURCES"] = "drafter,ngram"
+    if step_stats and method in GLANCE_METHODS:
+        env["GLANCE_SGL_PROFILE"] = "1"
+    return env
+
+
+_STEP = re.compile(r"GLANCE step bs=(\d+) .*? target\[(\d+)\]")
+
+
+def rows_per_step(log: Path) -> float | None:
+    """Mean rows verified per request and decode step in a GLANCE engine's profile log (warm-up included)."""
+    if not log.is_file():
+        return None
+    rows = [int(m.group(2)) for m in _STEP.finditer(log.read_text(errors="replace"))]
+    return sum(rows) / len(rows) if rows else None
 
 
 def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: bool) -> dict[str, Any]:
@@ -144,6 +170,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     base = next((r for r in rows if r["method"] == "none"), None)
     lines = [f"{'scenario':<11} {'method':<13} {'output tok/s':>12} {'vs none':>8} {'decode tok/s':>12} "
              f"{'vs none':>8} {'tau':>6} {'identical':>10}"]
+    if any(r.get("rows_per_step") is not None for r in rows):
+        lines.insert(0, "rows verified per request and step: " + ", ".join(
+            f"{r['method']} {r['rows_per_step']:.1f}" for r in rows if r.get("rows_per_step") is not None))
     for name in rows[0]["scenarios"]:
         b = base["scenarios"][name] if base else None
         for r in rows:
@@ -186,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: every engine without CUDA graphs")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--log-dir", type=Path, help="keep each engine's log here")
+    p.add_argument("--step-stats", action="store_true",
+                   help="with --log-dir: log every GLANCE step and report rows verified per step")
     p.add_argument("--interleave", action="store_true",
                    help="all methods' engines alive at once, request chunks alternating between them (a shared, "
                         "busy machine); default: one method after the other")
@@ -198,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     for path, what in ((args.model, "--model"), (args.drafter, "--drafter")):
         if not (path / "config.json").is_file():
             p.error(f"{what} {path}: no config.json (build the demo with `glance demo build` or pass a directory)")
+    stats = args.step_stats and args.log_dir is not None
+    if args.step_stats and not stats:
+        p.error("--step-stats reads the engines' logs: give --log-dir")
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     demo, _ = demo_requests(args.model, args.prompts, args.max_tokens)
@@ -211,12 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.interleave:
         print(f"[bench] {', '.join(methods)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
               flush=True)
-        rows = run_interleaved(methods, kwargs, {m: engine_env(m) for m in methods}, scenarios, args.log_dir)
+        rows = run_interleaved(methods, kwargs, {m: engine_env(m, stats) for m in methods}, scenarios,
+                               args.log_dir)
     else:
         rows = []
         for m in methods:
             print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
-            rows.append(run_method(m, kwargs[m], scenarios, args.log_dir, env=engine_env(m)))
+            rows.append(run_method(m, kwargs[m], scenarios, args.log_dir, env=engine_env(m, stats)))
+    for r in rows:
+        m = r["method"]
+        r["rows_per_step"] = (rows_per_step(args.log_dir / f"{m}.log") if stats and m in GLANCE_METHODS
+                              else {"none": 1.0, "ngram": float(args.ngram_draft_tokens)}.get(m) if stats else None)
     print(format_table(rows))
     if args.json:
         report = {"device": args.device, "prompts": args.prompts, "wild": args.wild, "max_tokens": args.max_tokens,
