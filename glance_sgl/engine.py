@@ -29,13 +29,12 @@ from .ngram_source import NgramCandidates, NgramSettings, NgramSource
 from .special_tokens import SpecialTokenGuard, special_token_message
 from .planner import (PLANNER_MODES, AlwaysDraft, CostModel, Planner, PlannerMode, cost_key, default_row_grid,
                       load_costs, save_costs)
-from .round import RoundBatch, calibrate_round, speculative_round
+from .round import DRAFT_SOURCES, RoundBatch, calibrate_round, check_draft_sources, speculative_round
 from .target import CachePass, PreparedPrompt, RowsOutput, TargetAdapter, TargetError, TargetState
 from .tree import max_tree_size
 from .verify import SamplingSpec, target_choices
 
 Mode = Literal["glance", "chain", "ar"]
-DRAFT_SOURCES = ("drafter", "ngram")  # candidate sources of mode "glance" (docs/architecture.md, the round)
 MAX_STOP_STRINGS = 8
 MAX_TOP_LOGPROBS = 20
 
@@ -569,15 +568,6 @@ class GlanceEngine:
         rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
                                         torch.ones(1, 1, dtype=torch.bool))
         return int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0]), rows
-
-
-def check_draft_sources(names: Sequence[str]) -> tuple[str, ...]:
-    """Candidate-source names (``DRAFT_SOURCES``), validated and deduplicated in canonical order."""
-    names = [names] if isinstance(names, str) else list(names)
-    bad = [n for n in names if n not in DRAFT_SOURCES]
-    if bad or not names:
-        raise ValueError(f"draft sources must be a non-empty subset of {', '.join(DRAFT_SOURCES)}, got {names!r}")
-    return tuple(n for n in DRAFT_SOURCES if n in names)
 
 
 def default_max_nodes(budget: int, block_size: int, branch_k: int) -> int:

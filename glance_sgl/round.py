@@ -37,6 +37,18 @@ from .tree import SOURCE_DRAFTER, DraftTree, merge_trees
 from .verify import SamplingSpec, WalkResult, verify_tree
 
 
+DRAFT_SOURCES = ("drafter", "ngram")  # the candidate sources a round can draw on, in canonical order
+
+
+def check_draft_sources(names: str | Sequence[str]) -> tuple[str, ...]:
+    """Candidate-source names (:data:`DRAFT_SOURCES`), validated and deduplicated in canonical order; ValueError
+    on an unknown name or none."""
+    names = [names] if isinstance(names, str) else list(names)
+    bad = [n for n in names if n not in DRAFT_SOURCES]
+    if bad or not names:
+        raise ValueError(f"draft sources must be a non-empty subset of {', '.join(DRAFT_SOURCES)}, got {names!r}")
+    return tuple(n for n in DRAFT_SOURCES if n in names)
+
 @dataclass
 class RoundBatch:
     """The requests of one round.
@@ -234,5 +246,6 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
     return calibrate(run_verify, run_draft, [(r, bs) for r in row_grid], [bs], repeats=repeats, key=key, smooth=smooth)
 
 
-__all__ = ["RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
+__all__ = ["DRAFT_SOURCES", "check_draft_sources",
+           "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
            "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose"]

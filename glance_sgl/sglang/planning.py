@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from glance_sgl.planner import CostModel, Planner, RandomPlanner, _interp, cost_cache_dir
 
-SGLANG_PLANNER_MODES = ("auto", "fixed", "random")
 STEP_RATE = 0.1  # weight of one measured scheduler gap
 
 
@@ -172,4 +171,4 @@ def make_planner(mode: str, costs: CostModel, max_nodes: int, max_depth: int, se
     return Planner(costs, max_nodes, max_depth, mode=mode)
 
 
-__all__ = ["BatchCostModel", "load_batch_costs", "make_planner", "SGLANG_PLANNER_MODES"]
+__all__ = ["BatchCostModel", "load_batch_costs", "make_planner"]

@@ -2,9 +2,10 @@
 
 SGLang gives a plugin no server flag of its own (its server arguments are SGLang's dataclass, shared by every
 process), so the settings that are not SGLang's come from the environment of the server / engine process,
-exactly once, here: :meth:`WorkerSettings.from_env` (called by the worker's constructor) parses and validates every variable, and a bad value stops
-the server at start-up with a message naming the variable (``plugin.validate_server_args`` calls it before
-any model loads). Nothing else in the plugin reads the environment; the worker takes the object.
+exactly once, here: :meth:`WorkerSettings.from_env` (called by the worker's constructor) parses and validates
+every variable, and a bad value stops the server at start-up with a message naming the variable
+(``plugin.validate_server_args`` calls it before any model loads). Nothing else in the plugin reads the
+environment; the worker takes the object.
 
 | variable | setting | values (default first) | what it does |
 |---|---|---|---|
@@ -28,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Mapping
 
+from glance_sgl.ngram_source import SCOPES as NGRAM_CORPORA
+from glance_sgl.round import DRAFT_SOURCES, check_draft_sources
+
 PLANNER_ENV = "GLANCE_PLANNER"  # also set by `glance serve --backend sglang --planner` for its server
 PLANNERS = ("auto", "fixed", "random")
 STEPS = ("auto", "host", "device")
-DRAFT_SOURCES = ("drafter", "ngram")  # glance_sgl.engine.DRAFT_SOURCES, in the same canonical order
-NGRAM_CORPORA = ("shared", "per-key", "off")  # glance_sgl.ngram_source.SCOPES
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 Step = Literal["auto", "host", "device"]
@@ -83,7 +85,7 @@ def parse_draft_sources(raw: str, name: str = "GLANCE_DRAFT_SOURCES") -> tuple[s
     bad = [x for x in names if x not in DRAFT_SOURCES]
     if bad:
         raise SettingsError(f"{name}={raw!r}: a comma list of drafter, ngram (unknown: {', '.join(bad)})")
-    return tuple(x for x in DRAFT_SOURCES if x in names)
+    return check_draft_sources(names)
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,10 @@ class WorkerSettings:
             raise SettingsError(f"step must be one of {STEPS}, got {self.step!r}")
         if self.graph_widths is not None and (not self.graph_widths or min(self.graph_widths) < 1):
             raise SettingsError(f"graph_widths must be row counts >= 1, got {self.graph_widths!r}")
-        if not self.draft_sources or any(x not in DRAFT_SOURCES for x in self.draft_sources):
-            raise SettingsError(f"draft_sources must be a non-empty subset of {DRAFT_SOURCES}, got "
-                                f"{self.draft_sources!r}")
+        try:
+            check_draft_sources(self.draft_sources)
+        except ValueError as exc:
+            raise SettingsError(f"draft_sources: {exc}") from None
         if self.ngram_corpus not in NGRAM_CORPORA:
             raise SettingsError(f"ngram_corpus must be one of {NGRAM_CORPORA}, got {self.ngram_corpus!r}")
 

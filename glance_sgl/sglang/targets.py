@@ -9,9 +9,9 @@ SGLang 0.5.23's ``Qwen3VLForConditionalGeneration.set_dflash_layers_to_capture``
 model does not have (AttributeError), so SGLang's own DFLASH cannot run on Qwen3-VL: :func:`register_target_hooks`
 replaces it, through SGLang's HookRegistry, with the capture its ``set_eagle3_layers_to_capture`` already does.
 
-``GLANCE_SGL_DUMP_TAPS=DIR`` (``WorkerSettings.dump_taps``; tests, debugging) writes the tap features of every prefill the GLANCE worker
-receives to ``DIR/prefill-NNNNN.pt`` (``taps`` [T, L*H] in drafter order, ``extend_lens``, ``prefix_lens``,
-``input_ids``), through a HookRegistry BEFORE hook on the worker's prompt feed.
+``GLANCE_SGL_DUMP_TAPS=DIR`` (``WorkerSettings.dump_taps``; tests, debugging) writes the tap features of every
+prefill the GLANCE worker receives to ``DIR/prefill-NNNNN.pt`` (``taps`` [T, L*H] in drafter order,
+``extend_lens``, ``prefix_lens``, ``input_ids``), through a HookRegistry BEFORE hook on the worker's prompt feed.
 """
 
 from __future__ import annotations
@@ -50,20 +50,16 @@ def dump_prompt_taps(out: Path):
     (``WorkerSettings.dump_taps``, ``GLANCE_SGL_DUMP_TAPS``)."""
 
     def hook(worker, batch, taps, *args, **kwargs):
-        _save_prompt_taps(out, batch, taps)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"taps": None if taps is None else taps.detach().float().cpu(),
+                  "extend_lens": [int(x) for x in batch.extend_lens],
+                  "prefix_lens": [int(x) for x in batch.prefix_lens],
+                  "input_ids": batch.input_ids.detach().cpu()}
+        torch.save(record, out / f"prefill-{os.getpid()}-{next(_dump_counter):05d}.pt")
         return None
 
-    hook.__glance_dump__ = True
+    hook.__glance_dump__ = True  # registered once per process (register_target_hooks)
     return hook
-
-
-def _save_prompt_taps(out: Path, batch, taps) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"taps": None if taps is None else taps.detach().float().cpu(),
-              "extend_lens": [int(x) for x in batch.extend_lens],
-              "prefix_lens": [int(x) for x in batch.prefix_lens],
-              "input_ids": batch.input_ids.detach().cpu()}
-    torch.save(record, out / f"prefill-{os.getpid()}-{next(_dump_counter):05d}.pt")
 
 
 def register_target_hooks() -> None:
