@@ -183,6 +183,14 @@ class NgramSource:
         """Whether SGLang's NgramCorpus loaded; if not, ``reason`` says why and proposals are root-only."""
         return self._cls is not None
 
+    def __contains__(self, rid: Hashable) -> bool:
+        """Whether ``rid`` is a request in flight here (added, not yet finished)."""
+        return rid in self._requests
+
+    def request_ids(self) -> list[Hashable]:
+        """The requests in flight here."""
+        return list(self._requests)
+
     def memory_bound_nodes(self, active_requests: int) -> int:
         """Trie nodes this source can hold with ``active_requests`` requests in flight: the cross-request
         corpora (one, ``max_keys`` or none) plus the active and pooled own corpora. Memory is about 180 bytes
@@ -414,7 +422,7 @@ class NgramCandidates:
         roots = batch.roots.tolist()
         tokens = getattr(batch, "tokens", None)
         for b, rid in enumerate(batch.rids):
-            known = rid in src._requests
+            known = rid in src
             if known and src.root(rid) == roots[b]:
                 continue
             if tokens is None or not tokens[b] or int(tokens[b][-1]) != roots[b]:
@@ -442,7 +450,7 @@ class NgramCandidates:
         self._sync(batch)
         roots = batch.roots.tolist()
         for b, (rid, tokens) in enumerate(zip(batch.rids, walk.committed())):
-            if rid in self.source._requests and self.source.root(rid) == roots[b]:
+            if rid in self.source and self.source.root(rid) == roots[b]:
                 self.source.commit(rid, tokens)
 
     def finish(self, rid: Hashable, publish: bool = True) -> None:

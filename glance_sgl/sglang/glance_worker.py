@@ -239,7 +239,7 @@ class GlanceWorker(BaseSpecWorker):
         for rid in self.planner.known():  # a flush happens with no request running
             self.planner.forget(rid)
         if self.ngram is not None:
-            for rid in list(self.ngram.source._requests):
+            for rid in self.ngram.source.request_ids():
                 self.ngram.finish(rid, publish=False)
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
@@ -256,7 +256,7 @@ class GlanceWorker(BaseSpecWorker):
         it is prefilled again)."""
         known = self.planner.known()
         if self.ngram is not None:
-            known = known | set(self.ngram.source._requests)
+            known = known | set(self.ngram.source.request_ids())
         for rid in known - live:
             self._forget(rid)
 
@@ -512,7 +512,7 @@ class GlanceWorker(BaseSpecWorker):
         output committed so far (the prefill's first token). The round's adapter feeds every later step's."""
         source = self.ngram.source
         for req in batch.reqs:
-            if req.rid not in source._requests:
+            if req.rid not in source:
                 source.add_request(req.rid, _in_vocab(req.origin_input_ids, self._vocab))
                 source.commit(req.rid, req.output_ids)
 
