@@ -46,8 +46,9 @@ import torch
 from .metrics import entropies_nats
 from .tree import SOURCE_DRAFTER, SourceAcceptance
 
-PlannerMode = Literal["auto", "fixed"]
-PLANNER_MODES = ("auto", "fixed")
+PlannerMode = Literal["auto", "fixed", "off"]
+# "off": never speculate (every round a plain AR step, no source proposes): the fixed cost of the speculative path
+PLANNER_MODES = ("auto", "fixed", "off")
 
 # Entropy bins (nats) of the entropy table; the last bin is open-ended.
 ENTROPY_EDGES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 1.6, 2.5)
@@ -570,11 +571,18 @@ class Planner:
         prior = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
         return (PRIOR_ROUNDS * prior + st.recent_accepted) / (PRIOR_ROUNDS + st.recent_rounds)
 
+    @property
+    def speculates(self) -> bool:
+        """False for mode "off": no candidate source proposes, every round is a plain AR step."""
+        return self.mode != "off"
+
     def gate(self, rids: Sequence[object]) -> bool:
         """Whether this batch runs the drafter, from each request's lead entropy and record. Cheap: no tensor
         work. Counts a probe as drafting."""
         if self.mode == "fixed":
             return True
+        if self.mode == "off":
+            return False
         states = [self.state(r) for r in rids]
         due = [st for st in states if st.probe_due]
         # a probe: a request's drafting may pay (again); the tree size still gets chosen. In a batch the whole
@@ -724,6 +732,7 @@ class AlwaysDraft:
     verifies every candidate the source proposed; nothing is learned, timed or computed for it."""
 
     mode = "always"
+    speculates = True
 
     def __init__(self, max_nodes: int) -> None:
         self.max_nodes = max_nodes

@@ -117,6 +117,7 @@ class RoundPolicy(Protocol):
     """What the round asks of the planner (:class:`glance_sgl.planner.Planner`)."""
 
     max_nodes: int
+    speculates: bool  # False: no source proposes (every round a plain AR step)
 
     def gate(self, rids: Sequence[Hashable]) -> bool: ...
 
@@ -189,9 +190,9 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     """
     t0 = time.perf_counter()
     # 1. gate: does the drafter's pass pay for this batch now? (no tensor work; every rank takes rank 0's answer)
-    has_drafter = any(s.source_id == SOURCE_DRAFTER for s in sources)
+    has_drafter = planner.speculates and any(s.source_id == SOURCE_DRAFTER for s in sources)
     drafting = has_drafter and bool(target.agree(int(planner.gate(batch.rids))))
-    active = [s for s in sources if drafting or s.source_id != SOURCE_DRAFTER]
+    active = [s for s in sources if drafting or (planner.speculates and s.source_id != SOURCE_DRAFTER)]
     plan = None if drafting else planner.skip(batch.rids)  # the drafter's record: a round without it
     if active:
         # 2. propose candidates at the largest tree, 3. choose how many rows of it to verify

@@ -82,3 +82,38 @@ def test_a_planner_owns_the_lead_entropy_through_the_round(engines):
     assert abs(planner.lead_entropy("r") - entropy_nats(r.out.logits[0, last])) < 1e-5
     planner.forget("r")
     assert planner.lead_entropy("r") is None and "r" not in planner.known()
+
+
+class _CountingSource:
+    """A candidate source wrapper that counts proposals (and forwards everything else)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.proposed, self.source_id = inner, 0, inner.source_id
+
+    def propose(self, batch, rows):
+        self.proposed += 1
+        return self.inner.propose(batch, rows)
+
+    def commit(self, batch, taps, walk):
+        self.inner.commit(batch, taps, walk)
+
+
+def test_planner_off_never_proposes_and_decodes_as_ar(engines):
+    """``mode="off"`` (``GLANCE_PLANNER=off``): every round a plain AR step, no source asked for candidates, the
+    output the AR path's."""
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    messages = make_prompts(1, seed=23)[0]
+    ar = engine.generate(messages, SamplingParams(max_tokens=12), mode="ar").token_ids
+    planner = Planner(engine.cost_model(), max_nodes=engine.budget, max_depth=engine.block_size - 1, mode="off")
+    assert not planner.speculates
+    state, rows = target.prefill(target.prepare(messages), taps=taps)
+    source = _CountingSource(CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k))
+    rows_pass = CachePass(target, state, taps)
+    committed = [int(rows.logits[-1].argmax())]
+    while len(committed) < len(ar):
+        batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
+        r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
+        assert not r.drafted and r.tree.num_rows == 1
+        committed += r.walk.committed()[0]
+    assert committed[: len(ar)] == ar and source.proposed == 0

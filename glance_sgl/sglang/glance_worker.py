@@ -581,7 +581,7 @@ class GlanceWorker(BaseSpecWorker):
         time a batch size of a new power-of-two bucket decodes (not for the ``fixed`` planner; skipped when the
         cached calibration covers it). The passes write K/V only into the slots SGLang reserved for this step, which
         the real verify pass overwrites right after; their outputs are dropped."""
-        if self.planner_mode == "fixed":  # (random, a test policy, calibrates too: the passes must be harmless)
+        if self.planner_mode in ("fixed", "off"):  # (random, a test policy, calibrates too: the passes must be harmless)
             return False
         bs = rounds.size
         bucket = 1 << (bs.bit_length() - 1)

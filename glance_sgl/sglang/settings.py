@@ -9,7 +9,7 @@ environment; the worker takes the object.
 
 | variable | setting | values (default first) | what it does |
 |---|---|---|---|
-| ``GLANCE_PLANNER`` | ``planner``, ``planner_seed`` | ``auto`` / ``fixed`` / ``random[:SEED]`` | the planning policy (``random``: tests) |
+| ``GLANCE_PLANNER`` | ``planner``, ``planner_seed`` | ``auto`` / ``fixed`` / ``off`` / ``random[:SEED]`` | the planning policy (``off``: never speculate; ``random``: tests) |
 | ``GLANCE_DRAFT_SOURCES`` | ``draft_sources`` | ``drafter`` / ``ngram`` / ``drafter,ngram`` | the candidate sources of the verify tree (``ngram``: SGLang's ``NgramCorpus`` over the request's prompt, its output and recent answers, no model pass; several: one merged tree) |
 | ``GLANCE_NGRAM_CORPUS`` | ``ngram_corpus`` | ``shared`` / ``per-key`` / ``off`` | which recent answers the n-gram source matches besides the request's own tokens (``NgramSettings.scope``) |
 | ``GLANCE_CUDA_GRAPH_WIDTHS`` | ``graph_widths`` | default widths / ``1,4,8,...`` | the verify widths captured in CUDA graphs |
@@ -33,7 +33,7 @@ from glance_sgl.ngram_source import SCOPES as NGRAM_CORPORA
 from glance_sgl.round import DRAFT_SOURCES, check_draft_sources
 
 PLANNER_ENV = "GLANCE_PLANNER"  # also set by `glance serve --backend sglang --planner` for its server
-PLANNERS = ("auto", "fixed", "random")
+PLANNERS = ("auto", "fixed", "off", "random")
 STEPS = ("auto", "host", "device")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -54,11 +54,12 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 
 
 def parse_planner(raw: str, name: str = "GLANCE_PLANNER") -> tuple[str, int]:
-    """``(mode, seed)`` of ``auto`` | ``fixed`` | ``random[:SEED]`` (case and blanks ignored; empty = auto)."""
+    """``(mode, seed)`` of ``auto`` | ``fixed`` | ``off`` | ``random[:SEED]`` (case and blanks ignored; empty =
+    auto; ``off``: never speculate, the speculative path's fixed cost)."""
     text = raw.strip().lower() or "auto"
     mode, _, seed = text.partition(":")
     if mode not in PLANNERS or (seed and mode != "random"):
-        raise SettingsError(f"{name}={raw!r}: choose auto, fixed or random[:SEED] (random is for tests)")
+        raise SettingsError(f"{name}={raw!r}: choose auto, fixed, off or random[:SEED] (random is for tests)")
     try:
         return mode, int(seed) if seed else 0
     except ValueError:
