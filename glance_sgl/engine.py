@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 import torch
 
 from .drafter import CachedDrafter, GlanceDrafter
-from .metrics import RequestMetrics, entropy_nats
+from .metrics import RequestMetrics, entropy_nats, source_counts
 from .ngram_source import NgramCandidates, NgramSettings, NgramSource
 from .special_tokens import SpecialTokenGuard, special_token_message
 from .planner import (PLANNER_MODES, AlwaysDraft, CostModel, Planner, PlannerMode, cost_key, default_row_grid,
@@ -141,6 +141,7 @@ class RoundRecord:
     predicted: float | None
     drafter_ran: bool
     choice_logits: torch.Tensor | None = None
+    sources: dict[str, tuple[bool, int]] | None = None  # per source: (verified, accepted), metrics.source_counts
 
 
 @dataclass
@@ -368,13 +369,16 @@ class GlanceEngine:
         should_stop: Callable[[], bool] | None = None,
         planner: PlannerMode | None = None,
         draft_sources: Sequence[str] | None = None,
+        ngram_key: str | None = None,
     ) -> GenerationResult:
         """Run one request to completion. ``messages``: chat messages (the chat template applies) or a string
         (a raw text prompt, tokenised as is) or a prompt from :meth:`prepare`. ``on_delta`` receives committed
         tokens as they land;
         ``should_stop`` is polled between rounds (True cancels: finish_reason "cancelled"). ``planner``
         ("auto" / "fixed") overrides the engine's default for mode "glance", and ``draft_sources`` (a subset of
-        ``DRAFT_SOURCES``: "drafter", "ngram") its candidate sources. Text holding a special-token string
+        ``DRAFT_SOURCES``: "drafter", "ngram") its candidate sources; ``ngram_key``: the tenant whose
+        cross-request n-gram corpus the request matches and feeds (scope ``per-key``; the gateway passes a hash of
+        the API key; None: the anonymous tenant). Text holding a special-token string
         (``<|image_pad|>``, ``<|im_start|>``, ...) is refused (:class:`RequestError`, code
         ``special_token_in_text``)."""
         params = params or SamplingParams()
@@ -384,7 +388,7 @@ class GlanceEngine:
             raise RequestError(f"mode {mode!r} needs a drafter; this engine has none")
         if mode not in ("glance", "chain", "ar"):
             raise RequestError(f"unknown decoding mode {mode!r}")
-        sources = self._sources(draft_sources, mode)
+        sources = self.check_sources(draft_sources, mode)
         if planner is not None and mode != "glance":
             raise RequestError(f"a planner applies to mode 'glance' only, not {mode!r}", param="planner")
         with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
@@ -392,7 +396,7 @@ class GlanceEngine:
             t0 = time.perf_counter()
             prompt = messages if isinstance(messages, PreparedPrompt) else self.prepare(messages)
             prepare_ms = (time.perf_counter() - t0) * 1000.0
-            return self._run(prompt, prepare_ms, params, mode, plan, on_delta, should_stop, sources)
+            return self._run(prompt, prepare_ms, params, mode, plan, on_delta, should_stop, sources, ngram_key)
 
     def check_fits(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
         """Refuses (``context_length_exceeded``) a prompt whose tokens plus ``max_tokens`` and a tree do not fit
@@ -424,7 +428,8 @@ class GlanceEngine:
 
     def stream(self, messages: list[dict[str, Any]] | str, params: SamplingParams | None = None,
                mode: Mode | None = None, planner: PlannerMode | None = None,
-               draft_sources: Sequence[str] | None = None) -> Iterator[StreamDelta | GenerationResult]:
+               draft_sources: Sequence[str] | None = None,
+               ngram_key: str | None = None) -> Iterator[StreamDelta | GenerationResult]:
         """Yield :class:`StreamDelta` items as tokens commit, then the final :class:`GenerationResult`.
         Closing the iterator early cancels the request."""
         items: queue.Queue = queue.Queue()
@@ -434,7 +439,7 @@ class GlanceEngine:
         def work() -> None:
             try:
                 items.put(self.generate(messages, params, mode, on_delta=items.put, should_stop=cancelled.is_set,
-                                        planner=planner, draft_sources=draft_sources))
+                                        planner=planner, draft_sources=draft_sources, ngram_key=ngram_key))
             except BaseException as exc:  # handed to the consumer
                 items.put(exc)
             finally:
@@ -452,8 +457,9 @@ class GlanceEngine:
             thread.join()
 
     # ------------------------------------------------------------------ the loop
-    def _sources(self, names: Sequence[str] | None, mode: Mode) -> tuple[str, ...]:
-        """The candidate sources of a request: ``names`` (None: the engine's), for mode "glance" only."""
+    def check_sources(self, names: Sequence[str] | None, mode: Mode) -> tuple[str, ...]:
+        """The candidate sources of a request: ``names`` (None: the engine's), for mode "glance" only
+        (:class:`RequestError`, param ``draft_sources``, otherwise or for a source this engine lacks)."""
         if names is None:
             return self.draft_sources if mode == "glance" else ("drafter",)
         try:
@@ -468,13 +474,14 @@ class GlanceEngine:
         return names
 
     def _run(self, prompt: PreparedPrompt, prepare_ms: float, params: SamplingParams, mode: Mode,
-             planner: Planner | None, on_delta, should_stop, sources: Sequence[str] = ("drafter",)
-             ) -> GenerationResult:
+             planner: Planner | None, on_delta, should_stop, sources: Sequence[str] = ("drafter",),
+             ngram_key: str | None = None) -> GenerationResult:
         """The decoding loop. ``prefill_ms`` counts the prompt's preparation (``prepare_ms``) and the prefill."""
         spec = SamplingSpec(params.temperature, params.top_p,
                             params.seed if params.seed is not None else random.getrandbits(62))
         metrics = RequestMetrics(mode=mode, block_size=self.block_size if mode != "ar" else 1)
         metrics.planner = planner.mode if planner is not None else None
+        metrics.draft_sources = tuple(sources) if mode != "ar" else ()
         out = _Output(self.target.tokenizer, self.eos_ids, params)
 
         t0 = time.perf_counter()
@@ -492,6 +499,7 @@ class GlanceEngine:
             if "ngram" in sources:
                 assert self.ngram is not None
                 self.ngram.acceptance = policy.acceptance  # the planner learns per source and depth
+                self.ngram.set_key(request.rid, ngram_key)  # scope per-key: the tenant's corpus
                 request.history = prompt.input_ids[0].tolist() + [first]
                 request.sources = ([request.drafter] if "drafter" in sources else []) + [self.ngram]
         k = params.logprobs
@@ -520,6 +528,8 @@ class GlanceEngine:
                     metrics.record_round(drafted=rec.nodes, accepted=rec.accepted, committed=kept,
                                          root_entropy=rec.root_entropy, predicted=rec.predicted,
                                          drafter_ran=rec.drafter_ran)
+                    if rec.sources is not None:
+                        metrics.record_sources(rec.sources)
                 self._emit(on_delta, out, new_tokens[:kept])
         finally:
             if request is not None:
@@ -559,7 +569,8 @@ class GlanceEngine:
         root_entropy = entropy_nats(logits[0]) if r.tree.num_rows > 1 else request.policy.lead_entropy(request.rid)
         predicted = r.plan.expected_tokens[0] if r.plan.expected_tokens else None
         record = RoundRecord(r.tree.num_nodes, accepted, root_entropy, predicted, r.drafted,
-                             choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1]])
+                             choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1]],
+                             sources=source_counts(r.tree, r.walk)[0])
         return r.walk.committed()[0], record
 
     def _ar_pass(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> tuple[int, RowsOutput]:

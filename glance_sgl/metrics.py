@@ -10,9 +10,40 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .tree import SOURCE_BOTH, SOURCE_DRAFTER, SOURCE_NGRAM
+
+if TYPE_CHECKING:
+    from .tree import DraftTree
+    from .verify import WalkResult
+
+# The per-source metrics' keys: a verified node's source tag (``DraftTree.sources``), exactly. "both" is a node
+# that the drafter and the n-gram source both proposed (``SOURCE_BOTH``); "drafter" / "ngram" a node of that
+# source alone. The accepted tokens of the three add up to the round's accepted drafts.
+SOURCE_KEYS = {"drafter": SOURCE_DRAFTER, "ngram": SOURCE_NGRAM, "both": SOURCE_BOTH}
+
+
+def source_counts(tree: "DraftTree", walk: "WalkResult") -> list[dict[str, tuple[bool, int]]]:
+    """Per request of a verified round: ``{source: (verified, accepted)}`` for each key of :data:`SOURCE_KEYS`.
+
+    ``verified``: the verified tree held at least one node with exactly that tag; ``accepted``: the walk's
+    accepted rows (``walk.accepted_rows`` [bs, W] tree rows, -1 padding, column 0 the root, which no source
+    proposed) with that tag. An untagged tree (``sources`` None: the drafter alone) is all drafter nodes; a
+    root-only tree (an AR step) verified nothing of any source. The one place these counts are made."""
+    tags = tree.source_tags()
+    rows = walk.accepted_rows.to(tags.device)
+    taken = torch.where(rows > 0, tags.gather(1, rows.clamp(min=0)), 0)
+    nodes = tags[:, 1:]
+    out: list[dict[str, tuple[bool, int]]] = [{} for _ in range(tags.shape[0])]
+    for key, tag in SOURCE_KEYS.items():
+        verified = (nodes == tag).any(dim=1).tolist() if nodes.shape[1] else [False] * tags.shape[0]
+        accepted = (taken == tag).sum(dim=1).tolist()
+        for b in range(tags.shape[0]):
+            out[b][key] = (bool(verified[b]), int(accepted[b]))
+    return out
 
 
 def entropies_nats(logits: torch.Tensor) -> list[float]:
@@ -46,6 +77,23 @@ class RequestMetrics:
     planner: str | None = None
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    draft_sources: tuple[str, ...] = ()  # the candidate sources the request drew on (empty: AR)
+    source_rounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_KEYS, 0))
+    source_accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_KEYS, 0))
+
+    def record_sources(self, counts: dict[str, tuple[bool, int]]) -> None:
+        """One round's per-source counts (an entry of :func:`source_counts`)."""
+        for key, (verified, accepted) in counts.items():
+            self.source_rounds[key] += int(verified)
+            self.source_accepted[key] += accepted
+
+    @property
+    def sources(self) -> dict[str, dict[str, int]]:
+        """``{source: {"rounds", "accepted_tokens"}}`` for "drafter", "ngram" and "both" (see
+        :data:`SOURCE_KEYS`): the rounds whose verified tree held nodes of that source, the drafts accepted
+        from them."""
+        return {k: {"rounds": self.source_rounds[k], "accepted_tokens": self.source_accepted[k]}
+                for k in SOURCE_KEYS}
 
     def record_round(self, drafted: int, accepted: int, committed: int, root_entropy: float | None,
                      predicted: float | None = None, drafter_ran: bool | None = None) -> None:
@@ -143,6 +191,8 @@ class RequestMetrics:
             "rows_histogram": self.rows_histogram,
             "rounds_without_drafting": self.rounds_without_drafting,
             "predicted_tokens_per_round": self.predicted_tokens_per_round,
+            "draft_sources": list(self.draft_sources),
+            "sources": self.sources,
         }
         if per_round:
             out["rows_per_round"] = list(self.rows_per_round)
