@@ -28,13 +28,14 @@ from starlette.datastructures import UploadFile
 
 from glance_sgl.engine import MAX_TOP_LOGPROBS
 
-from .config import ServerConfig
+from .config import ServerConfig, key_identity
 from .errors import APIError, bad_request, body_parse_error
 from .images import decode_data_url, decode_image
 from .jobs import Backend, GenOutput, GenRequest, Job
 from .logprobs import TokenTable, to_sglang
 from .protocol import (PLANNERS, ChatRequest, CompletionRequest, check_model, check_planner, check_text,
-                       chat_request, chunk_body, completion_body, completion_request, sampling_params,
+                       chat_request, chunk_body, completion_body, completion_request, parse_draft_sources,
+                       sampling_params,
                        text_chunk_body, text_completion_body, usage)
 from .sglang import IM_START, meta_info, parse_prompt, render_prompt
 from .playground import PLAYGROUND_PATHS, router as playground_router
@@ -79,14 +80,21 @@ class Guards:
             self.telemetry.latency.labels(label).observe(time.perf_counter() - t0)
 
     def _auth(self, scope) -> APIError | None:
-        if not self.config.api_key or scope["path"] in OPEN_PATHS:
+        """401 unless the bearer token is one of the keys (each compared in constant time, all of them every
+        time); the matching key's identity (a hash, :func:`key_identity`) goes to ``request.state.tenant``."""
+        if not self.config.keys or scope["path"] in OPEN_PATHS:
             return None
         headers = dict(scope["headers"])
         value = headers.get(b"authorization", b"").decode("latin-1")
-        token = value[7:].strip() if value[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), self.config.api_key.encode()):
+        token = (value[7:].strip() if value[:7].lower() == "bearer " else "").encode()
+        match = None
+        for key in self.config.keys:
+            if hmac.compare_digest(token, key.encode()) and match is None:
+                match = key
+        if match is None:
             return APIError(401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_api_key",
                             headers={"WWW-Authenticate": "Bearer"})
+        scope.setdefault("state", {})["tenant"] = key_identity(match)
         return None
 
     async def _limit_body(self, scope, receive):
@@ -142,8 +150,11 @@ class Gateway:
         self.http: httpx.AsyncClient | None = None  # remote image fetches
         self.started = int(time.time())
 
-    async def start(self, req: GenRequest) -> Job:
-        """Checks, the backend's preparation (may refuse: 400), then :meth:`submit`."""
+    async def start(self, req: GenRequest, request: Request | None = None) -> Job:
+        """Checks, the backend's preparation (may refuse: 400), then :meth:`submit`. ``request``: the HTTP
+        request, whose API key's identity becomes the request's tenant (None: anonymous)."""
+        if request is not None:
+            req.tenant = getattr(request.state, "tenant", None)
         try:
             self.backend.check_text(req)
             await self.backend.prepare(req)
@@ -520,7 +531,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
     async def chat_completions(body: ChatRequest, request: Request):
         t0 = time.perf_counter()
         req = await chat_request(body, config, gw.http)
-        job = await gw.start(req)
+        job = await gw.start(req, request)
         model = config.served_model_name
         tokens = backend.tokens if req.params.logprobs is not None else None
         if body.stream:
@@ -538,7 +549,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
         """OpenAI's legacy text completions: ``prompt`` is raw text (no chat template), no images."""
         t0 = time.perf_counter()
         req = completion_request(body, config)
-        job = await gw.start(req)
+        job = await gw.start(req, request)
         model = config.served_model_name
         tokens = backend.tokens if req.params.logprobs is not None else None
         with_top = bool(req.params.logprobs)
@@ -553,10 +564,11 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
     @app.post("/v1/generate")
     async def generate_multipart(request: Request):
         """Multipart form: ``prompt`` + ``image`` file(s) (repeatable), optional ``max_tokens``,
-        ``temperature``, ``top_p``, ``seed``, ``stop`` (repeatable), ``mode``, ``planner``, ``measure_speedup``."""
+        ``temperature``, ``top_p``, ``seed``, ``stop`` (repeatable), ``mode``, ``planner``, ``draft_sources``
+        (comma-separated), ``measure_speedup``."""
         t0 = time.perf_counter()
         req = await multipart_request(request, config)
-        out = await gw.collect(await gw.start(req), request, t0)
+        out = await gw.collect(await gw.start(req, request), request, t0)
         return {"id": f"gen-{req.request_id}", "object": "glance.generation", "model": config.served_model_name,
                 "text": out.text, "finish_reason": out.finish_reason, "usage": usage(out), "glance": out.glance}
 
@@ -572,7 +584,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
             except (ValueError, RecursionError) as exc:
                 raise body_parse_error(raw) from exc
             req = await native_request(body, config, processor)
-            job = await gw.start(req)
+            job = await gw.start(req, request)
             rid = str(body.get("rid") or req.request_id)
             top = req.params.logprobs
             if body.get("stream"):
@@ -632,7 +644,8 @@ async def multipart_request(request: Request, config: ServerConfig) -> GenReques
     content.append({"type": "text", "text": prompt})
     measure = str(form.get("measure_speedup", "")).lower() in ("1", "true", "yes", "on")
     return GenRequest(messages=[{"role": "user", "content": content}], params=params, mode=mode, planner=planner,
-                      measure_speedup=measure)
+                      measure_speedup=measure,
+                      draft_sources=parse_draft_sources(str(form.get("draft_sources") or "") or None, "draft_sources"))
 
 
 async def native_request(body: Any, config: ServerConfig, processor) -> GenRequest:

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from .config import MiB, RestartPolicy, ServerConfig
+from .config import MiB, RestartPolicy, ServerConfig, parse_api_keys
 
 
 def _fail(message: str):
@@ -41,12 +41,38 @@ def resolve_checkpoints(args: argparse.Namespace) -> tuple[Path, Path | None]:
     return model, drafter
 
 
+def draft_settings(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, str | None]:
+    """``--draft-sources`` (validated, canonical order; None: the engine's default, the drafter alone) and
+    ``--ngram-corpus`` (None: the n-gram source's default, shared); a CLI error naming the flag otherwise."""
+    from glance_sgl.round import check_draft_sources
+
+    sources = None
+    if args.draft_sources is not None:
+        try:
+            sources = check_draft_sources([n.strip() for n in args.draft_sources.split(",") if n.strip()])
+        except ValueError as exc:
+            _fail(f"--draft-sources {args.draft_sources!r}: {exc}")
+    if args.ngram_corpus is not None and "ngram" not in (sources or ()):
+        _fail("--ngram-corpus scopes the n-gram source's corpus: pass --draft-sources with ngram "
+              "(e.g. --draft-sources drafter,ngram)")
+    if args.upstream and sources is not None:
+        _fail("--draft-sources cannot reach a running SGLang server (--upstream): start it with "
+              "GLANCE_DRAFT_SOURCES=drafter,ngram (and GLANCE_NGRAM_CORPUS)")
+    if args.backend == "sglang" and args.ngram_corpus == "per-key":
+        _fail("--ngram-corpus per-key: the SGLang worker is not told the requests' API keys, so every request "
+              "would share one corpus; use shared or off with --backend sglang")
+    if sources is not None and "ngram" in sources and args.mode != "glance":
+        _fail(f"--draft-sources {args.draft_sources}: the n-gram source drafts in --mode glance, not {args.mode}")
+    return sources, args.ngram_corpus
+
+
 def build_config(args: argparse.Namespace) -> ServerConfig:
-    api_key = None
+    api_keys: tuple[str, ...] = ()
     if args.api_key_env:
-        api_key = os.environ.get(args.api_key_env)
-        if not api_key:
-            _fail(f"--api-key-env {args.api_key_env}: the variable is unset or empty")
+        try:
+            api_keys = parse_api_keys(os.environ.get(args.api_key_env, ""), f"--api-key-env {args.api_key_env}")
+        except ValueError as exc:
+            _fail(str(exc))
     upstream_key = None
     if args.upstream_api_key_env:
         upstream_key = os.environ.get(args.upstream_api_key_env)
@@ -64,7 +90,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     except ValueError as exc:
         _fail(str(exc))
     return ServerConfig(
-        served_model_name=args.served_model_name, api_key=api_key, max_body_bytes=int(args.max_body_mb * MiB),
+        served_model_name=args.served_model_name, api_keys=api_keys, max_body_bytes=int(args.max_body_mb * MiB),
         max_images=args.max_images, max_image_bytes=int(args.max_image_mb * MiB),
         max_image_pixels=args.max_image_pixels, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit), max_queue=args.max_queue,
@@ -86,6 +112,7 @@ def build_app(args: argparse.Namespace):
     from .app import create_app
 
     config = build_config(args)
+    sources, corpus = draft_settings(args)
     model, drafter = resolve_checkpoints(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,7 +123,7 @@ def build_app(args: argparse.Namespace):
 
         managed, note = None, "the upstream server was started with its own --context-length"
         if not args.upstream:  # no URL: launch SGLang with the GLANCE plugin as a managed, supervised subprocess
-            managed = launch_managed_sglang(args, config, model, drafter)
+            managed = launch_managed_sglang(args, config, model, drafter, sources, corpus)
             args.upstream = config.upstream_url = managed.url
             note = ("--sglang-args sets --context-length" if "--context-length" in (args.sglang_args or "")
                     else "the launched SGLang server derived its own (see its log)")
@@ -107,18 +134,27 @@ def build_app(args: argparse.Namespace):
         return create_app(config, backend, processor), what
     from .embedded import EmbeddedBackend
 
-    planner = {"planner": args.planner} if drafter is not None and args.planner else {}
-    engine = GlanceEngine.load(model, drafter, mode=args.mode if drafter is not None else "ar",
-                               budget=args.budget, branch_k=args.branch_k, **planner)
+    options: dict = {"planner": args.planner} if drafter is not None and args.planner else {}
+    if sources is not None:
+        if drafter is None and sources != ("drafter",):
+            _fail(f"--draft-sources {args.draft_sources}: speculative decoding needs a drafter (--drafter DIR)")
+        options["draft_sources"] = sources
+    try:
+        engine = GlanceEngine.load(model, drafter, mode=args.mode if drafter is not None else "ar",
+                                   budget=args.budget, branch_k=args.branch_k, ngram_corpus=corpus, **options)
+    except ValueError as exc:  # e.g. the n-gram source is unavailable (SGLang's NgramCorpus did not build)
+        _fail(f"--draft-sources {args.draft_sources}: {exc}")
     backend = EmbeddedBackend(engine, config)
     return create_app(config, backend, engine.target.processor), f"embedded {model} + {drafter or 'no drafter'}"
 
 
-def launch_managed_sglang(args: argparse.Namespace, config: ServerConfig, model: Path, drafter: Path | None):
+def launch_managed_sglang(args: argparse.Namespace, config: ServerConfig, model: Path, drafter: Path | None,
+                          sources: tuple[str, ...] | None = None, corpus: str | None = None):
     """Start ``sglang.launch_server`` (GLANCE when there is a drafter) on loopback and wait until it is ready (a
     clear start-up error otherwise); returns its supervisor (:class:`~glance_server.supervisor.ManagedSGLang`,
     which restarts it by ``config.sglang_restart``). The gateway's shutdown stops it (and atexit, for exits that
-    skip the shutdown)."""
+    skip the shutdown). ``--planner``, ``--draft-sources`` and ``--ngram-corpus`` reach it as the GLANCE worker's
+    environment (``GLANCE_PLANNER``, ``GLANCE_DRAFT_SOURCES``, ``GLANCE_NGRAM_CORPUS``)."""
     import atexit
     import functools
     import shlex
@@ -127,7 +163,6 @@ def launch_managed_sglang(args: argparse.Namespace, config: ServerConfig, model:
     import torch
 
     from glance_sgl.sglang.launch import launch_sglang
-    from glance_sgl.sglang.settings import PLANNER_ENV
 
     from .supervisor import ManagedSGLang
 
@@ -137,7 +172,7 @@ def launch_managed_sglang(args: argparse.Namespace, config: ServerConfig, model:
                                             "CPU mode" if cpu else "GPU", args.sglang_port, log_path)
     launch = functools.partial(launch_sglang, model, drafter, port=args.sglang_port, cpu=cpu,
                                extra_args=shlex.split(args.sglang_args or ""), log_path=log_path,
-                               env={PLANNER_ENV: args.planner} if args.planner else None)
+                               env=worker_env(args.planner, sources, corpus) or None)
     try:
         handle = launch(timeout=args.sglang_timeout)
     except (RuntimeError, TimeoutError, OSError) as exc:
@@ -146,6 +181,18 @@ def launch_managed_sglang(args: argparse.Namespace, config: ServerConfig, model:
                             ready_timeout_s=args.sglang_timeout)
     atexit.register(lambda: managed.server.stop())
     return managed
+
+
+def worker_env(planner: str | None, sources: tuple[str, ...] | None, corpus: str | None) -> dict[str, str]:
+    """The GLANCE worker's settings for a launched SGLang server (``glance_sgl.sglang.settings``)."""
+    from glance_sgl.sglang.settings import PLANNER_ENV
+
+    env = {PLANNER_ENV: planner} if planner else {}
+    if sources is not None:
+        env["GLANCE_DRAFT_SOURCES"] = ",".join(sources)
+    if corpus is not None:
+        env["GLANCE_NGRAM_CORPUS"] = corpus
+    return env
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -209,10 +256,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "...}): auto picks the tree size per round from measured costs and predicted acceptance, down to "
                    "no draft; fixed verifies the --budget tree every round (the ablation). A launched SGLang server "
                    "gets it as GLANCE_PLANNER")
+    p.add_argument("--draft-sources", metavar="SOURCES", default=None,
+                   help="candidate sources of the verify tree, comma-separated: drafter (the block drafter), ngram "
+                   "(n-gram matches over the request's prompt, its output and recent answers: SGLang's NgramCorpus, "
+                   "no model pass) or drafter,ngram (one merged tree). Default: drafter. Embedded requests may "
+                   "choose a subset with \"glance\": {\"draft_sources\": ...}; a launched SGLang server gets it "
+                   "as GLANCE_DRAFT_SOURCES")
+    p.add_argument("--ngram-corpus", choices=["shared", "per-key", "off"], default=None,
+                   help="which recent answers the n-gram source matches besides the request's own tokens: shared "
+                   "(every tenant's; the default), per-key (the same API key's only; requests without a key share "
+                   "one anonymous corpus) or off. A shared corpus is a timing side channel between tenants "
+                   "(docs/operations.md)")
     p.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
     p.add_argument("--branch-k", type=int, default=None)
     p.add_argument("--served-model-name", default="glance-demo")
-    p.add_argument("--api-key-env", metavar="VAR", help="require 'Authorization: Bearer $VAR'")
+    p.add_argument("--api-key-env", metavar="VAR", help="require 'Authorization: Bearer KEY' where KEY is $VAR, or "
+                   "one of its comma-separated keys (one per tenant: --ngram-corpus per-key keeps their corpora "
+                   "apart)")
     p.add_argument("--max-queue", type=int, default=32, help="waiting requests before 429")
     p.add_argument("--upstream-concurrency", type=int, default=16)
     p.add_argument("--request-timeout", type=float, default=600.0)

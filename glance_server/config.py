@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from dataclasses import dataclass, field
 
@@ -54,7 +55,8 @@ class ServerConfig:
     """Everything the gateway enforces. Defaults are the production defaults of ``glance serve``."""
 
     served_model_name: str = "glance-demo"
-    api_key: str | None = None  # bearer token; None = no authentication
+    api_key: str | None = None  # bearer token; None (and no api_keys) = no authentication
+    api_keys: tuple[str, ...] = ()  # further accepted bearer tokens, one per tenant (glance serve --api-key-env)
     # request limits
     max_body_bytes: int = 32 * MiB
     max_images: int = 4
@@ -88,8 +90,25 @@ class ServerConfig:
     debug_faults: bool = False
 
     def __post_init__(self) -> None:
+        self.keys: tuple[str, ...] = tuple(dict.fromkeys(k for k in (self.api_key, *self.api_keys) if k))
         self.trusted_networks = [ipaddress.ip_network(n, strict=False) for n in self.trusted_image_networks]
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         if self.default_max_tokens > self.max_tokens_limit:
             self.default_max_tokens = self.max_tokens_limit
+
+
+def key_identity(key: str) -> str:
+    """A tenant's identity from its API key, never the key itself: ``key-`` and the first 16 hex digits of the
+    key's SHA-256 (the n-gram corpus key of scope ``per-key``; safe to log)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def parse_api_keys(raw: str, name: str) -> tuple[str, ...]:
+    """The keys in an API-key variable: one key, or several separated by commas (one per tenant), whitespace
+    around each stripped; ValueError naming ``name`` when it holds none or an empty entry."""
+    keys = [k.strip() for k in raw.split(",")]
+    if not raw.strip() or any(not k for k in keys):
+        raise ValueError(f"{name}: the variable is unset or empty, or has an empty entry (several keys are "
+                         "separated by commas)")
+    return tuple(dict.fromkeys(keys))

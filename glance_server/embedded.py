@@ -63,6 +63,7 @@ def result_metrics(result: GenerationResult) -> dict[str, Any]:
         "planner": m.planner, "rows_histogram": m.rows_histogram,
         "rounds_without_drafting": m.rounds_without_drafting,
         "predicted_tokens_per_round": m.predicted_tokens_per_round,
+        "draft_sources": list(m.draft_sources), "sources": m.sources,
     }
 
 
@@ -112,7 +113,10 @@ class EmbeddedBackend(Backend):
         return True, "ok"
 
     def describe(self) -> dict[str, Any]:
+        ngram = self.engine.ngram
         return {"backend": self.name, "mode": self.default_mode, "planner": self.default_planner,
+                "draft_sources": list(self.engine.draft_sources),
+                "ngram_corpus": ngram.source.settings.scope if ngram is not None else None,
                 "block_size": self.engine.block_size, "budget": self.engine.budget,
                 "max_nodes": getattr(self.engine, "max_nodes", None), "branch_k": self.engine.branch_k,
                 "context_length": self.engine.target.context_length,
@@ -153,6 +157,10 @@ class EmbeddedBackend(Backend):
             raise bad_request("planner needs a drafter; this server runs without one (AR only)",
                               "unsupported_parameter", "glance.planner")
         check_planner(request.planner, request.mode or self.default_mode)
+        try:  # sources this engine has, for mode glance: refused now, before any stream opens
+            self.engine.check_sources(request.draft_sources, request.mode or self.default_mode)
+        except RequestError as exc:
+            raise bad_request(str(exc), "invalid_value", "glance.draft_sources") from exc
         job = Job(request, asyncio.get_running_loop())
         with self._cond:
             if self._stopping:
@@ -240,7 +248,8 @@ class EmbeddedBackend(Backend):
         prompt = req.prepared if req.prepared is not None else req.prompt if req.prompt is not None \
             else req.messages
         result = self.engine.generate(prompt, params, mode=mode, planner=req.planner, on_delta=on_delta,
-                                      should_stop=job.cancelled.is_set)
+                                      should_stop=job.cancelled.is_set, draft_sources=req.draft_sources,
+                                      ngram_key=req.tenant)
         estimate = self.ar_ms_per_token
         measured = None
         if mode == "ar":

@@ -35,6 +35,8 @@ class GenRequest:
     prompt: str | None = None
     json_schema: str | None = None  # response_format as a JSON schema (SGLang's grammar), or None: free text
     prepared: Any = None  # the backend's prepared model inputs (embedded: a PreparedPrompt), set by prepare()
+    draft_sources: tuple[str, ...] | None = None  # candidate sources (mode "glance"), None: the server's
+    tenant: str | None = None  # the API key's identity (a hash, never the key; app.key_identity), None: anonymous
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 

@@ -59,7 +59,7 @@ async def info(request: Request):
 
     gw = request.app.state.gateway
     config = gw.config
-    return {"backend": gw.backend.name, "api_key_required": bool(config.api_key),
+    return {"backend": gw.backend.name, "api_key_required": bool(config.keys),
             "measure_speedup": gw.backend.name == "embedded", "max_tokens_limit": config.max_tokens_limit,
             "max_image_bytes": config.max_image_bytes, "demo_prompt": example().prompt}
 

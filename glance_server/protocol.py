@@ -24,9 +24,18 @@ The ``glance`` object (one schema for every backend)::
     measured                  with "glance": {"measure_speedup": true}: the same request decoded
                               autoregressively right after: ar_* timings, decode_speedup (AR ms/token over
                               speculative ms/token, both after prefill), e2e_speedup, lossless_match
+    draft_sources             the candidate sources the request drew on, e.g. ["drafter", "ngram"] ([] for mode
+                              ar); null on the sglang backend (the server's GLANCE_DRAFT_SOURCES, not reported)
+    sources                   per source, {"drafter" | "ngram" | "both": {"rounds", "accepted_tokens"}}: the
+                              rounds whose verified tree held nodes of that source, and the drafts accepted from
+                              them, by each node's source tag ("both": a node the drafter and the n-gram source
+                              both proposed; "drafter" / "ngram": that source alone). Null on the sglang backend:
+                              SGLang's meta_info has no per-source counts (only spec_verify_ct,
+                              spec_accept_length and the accepted-drafts histogram, which the fields above carry)
 
-So ``completion_tokens == prefill_tokens + sum(committed_per_round)``, ``tau == decode_tokens / rounds`` and
-``sum(rows_histogram.values()) == rounds``.
+So ``completion_tokens == prefill_tokens + sum(committed_per_round)``, ``tau == decode_tokens / rounds``,
+``sum(rows_histogram.values()) == rounds`` and, where ``sources`` is reported, the three sources'
+``accepted_tokens`` add up to ``accepted_tokens``.
 """
 
 from __future__ import annotations
@@ -36,9 +45,10 @@ import time
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from glance_sgl.engine import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from glance_sgl.round import check_draft_sources
 
 from .config import ServerConfig
 from .errors import APIError, bad_request
@@ -61,6 +71,7 @@ class GlanceOptions(BaseModel):
     mode: Mode | None = None
     planner: Planner | None = None
     stream_rounds: StrictBool = False  # stream: a glance_round object on every content chunk (app.RoundChunks)
+    draft_sources: list[StrictStr] | StrictStr | None = None  # "drafter,ngram" or ["drafter", "ngram"]; glance only
     debug_fault: str | None = None
 
 
@@ -263,7 +274,7 @@ async def chat_request(body: ChatRequest, config: ServerConfig, client: httpx.As
     messages = await convert_messages(body.messages, config, client)
     return GenRequest(messages=messages, params=params, mode=options.mode, planner=options.planner,
                       measure_speedup=options.measure_speedup, debug_fault=options.debug_fault,
-                      json_schema=json_schema)
+                      json_schema=json_schema, draft_sources=parse_draft_sources(options.draft_sources))
 
 
 def glance_options(options: GlanceOptions | None, config: ServerConfig) -> GlanceOptions:
@@ -304,7 +315,8 @@ def completion_request(body: CompletionRequest, config: ServerConfig) -> GenRequ
                              logprobs=body.logprobs)
     options = glance_options(body.glance, config)
     return GenRequest(messages=[], prompt=prompt, params=params, mode=options.mode, planner=options.planner,
-                      measure_speedup=options.measure_speedup, debug_fault=options.debug_fault)
+                      measure_speedup=options.measure_speedup, debug_fault=options.debug_fault,
+                      draft_sources=parse_draft_sources(options.draft_sources))
 
 
 def check_planner(planner: str | None, mode: str, param: str = "glance.planner") -> None:
@@ -318,6 +330,20 @@ def check_planner(planner: str | None, mode: str, param: str = "glance.planner")
                           "invalid_value", param)
 
 
+def parse_draft_sources(value: str | list[str] | None, param: str = "glance.draft_sources"
+                        ) -> tuple[str, ...] | None:
+    """A request's candidate sources (a comma-separated string or a list of names) -> their canonical tuple
+    (``glance_sgl.round.check_draft_sources``), None when not given; 400 ``invalid_value`` naming ``param`` on
+    an unknown name or none. Whether they fit the request's mode and this server is the backend's check."""
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else list(value)
+    try:
+        return check_draft_sources([n for n in names if n] if isinstance(value, str) else names)
+    except ValueError as exc:
+        raise bad_request(str(exc), "invalid_value", param) from None
+
+
 # ------------------------------------------------------------------------------------------------ metrics
 def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: int,
                   committed_per_round: list[int] | None, drafted_tokens: int, accepted_tokens: int,
@@ -325,7 +351,8 @@ def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: in
                   mean_root_entropy: float | None, estimated_ar_ms_per_token: float | None, queue_ms: float,
                   measured: dict[str, Any] | None = None, planner: str | None = None,
                   rows_histogram: dict[str, int] | None = None, rounds_without_drafting: int | None = None,
-                  predicted_tokens_per_round: float | None = None) -> dict[str, Any]:
+                  predicted_tokens_per_round: float | None = None, draft_sources: list[str] | None = None,
+                  sources: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
     """The per-request ``glance`` object (schema in the module docstring)."""
     prefill_tokens = 1 if completion_tokens > 0 else 0
     decode_tokens = completion_tokens - prefill_tokens
@@ -335,6 +362,9 @@ def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: in
     if rows_histogram is not None and sum(rows_histogram.values()) != rounds:
         raise ValueError(f"inconsistent metrics: {rounds} rounds, rows histogram counts "
                          f"{sum(rows_histogram.values())}")
+    if sources is not None and sum(v["accepted_tokens"] for v in sources.values()) != accepted_tokens:
+        raise ValueError(f"inconsistent metrics: {accepted_tokens} accepted tokens, the sources count "
+                         f"{sum(v['accepted_tokens'] for v in sources.values())}")
     tau = decode_tokens / rounds if rounds else None
     ms_per_token = decode_ms / decode_tokens if decode_tokens else None
     speedup = (estimated_ar_ms_per_token / ms_per_token
@@ -366,6 +396,8 @@ def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: in
         "estimated_ar_ms_per_token": estimated_ar_ms_per_token,
         "estimated_speedup": speedup,
         "measured": measured,
+        "draft_sources": draft_sources,
+        "sources": sources,
     }
 
 

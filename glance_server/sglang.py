@@ -295,6 +295,10 @@ class SGLangBackend(Backend):
         if request.planner is not None:
             raise bad_request("the sglang backend plans its trees per batch inside SGLang; planner cannot be chosen "
                               "per request", "unsupported_parameter", "glance.planner")
+        if request.draft_sources is not None:
+            raise bad_request("the sglang backend drafts from the SGLang server's sources (GLANCE_DRAFT_SOURCES, set "
+                              "by glance serve --draft-sources for a server it launches); draft_sources cannot be "
+                              "chosen per request", "unsupported_parameter", "glance.draft_sources")
         if self._queued >= self.config.max_queue and self._slots is not None and self._slots.locked():
             raise queue_full(1.0, self._queued)
         job = Job(request, asyncio.get_running_loop())

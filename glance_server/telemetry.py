@@ -61,6 +61,11 @@ class Telemetry:
                                         "Tokens the planner expected its rounds to commit", ["planner"], registry=r)
         self.planned_tokens = Counter("glance_planner_committed_tokens",
                                       "Tokens committed by the rounds the planner predicted", ["planner"], registry=r)
+        self.source_rounds = Counter("glance_source_rounds", "Rounds whose verified tree held candidates of the "
+                                     "source (both: nodes both sources proposed)", ["source"], registry=r)
+        self.source_accepted = Counter("glance_source_accepted_tokens", "Drafted tokens accepted, by the source "
+                                       "that proposed them (both: nodes both sources proposed)", ["source"],
+                                       registry=r)
         self.finished = Counter("glance_generations", "Generations by finish reason", ["finish_reason"], registry=r)
         self.engine_errors = Counter("glance_engine_errors", "Requests failed by the engine or upstream", registry=r)
         r.register(_BackendCollector(stats, supervision))
@@ -90,6 +95,9 @@ class Telemetry:
                 self.rows.labels(mode).observe(float(rows))
         if glance.get("rounds_without_drafting"):
             self.rounds_without_drafting.labels(mode).inc(glance["rounds_without_drafting"])
+        for source, counts in (glance.get("sources") or {}).items():  # null on the sglang backend
+            self.source_rounds.labels(source).inc(counts["rounds"])
+            self.source_accepted.labels(source).inc(counts["accepted_tokens"])
         predicted = glance.get("predicted_tokens_per_round")
         if predicted is not None and rounds:  # the planner predicts every round of the requests it plans
             planner = glance.get("planner") or "unknown"

@@ -10,6 +10,7 @@ the requests, streaming and output handling.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import platform
@@ -247,6 +248,7 @@ class GlanceEngine:
         max_nodes: int | None = None,
         draft_sources: Sequence[str] = ("drafter",),
         ngram: NgramSettings | None = None,
+        ngram_corpus: str | None = None,
     ) -> None:
         if planner not in PLANNER_MODES:
             raise ValueError(f"planner must be one of {PLANNER_MODES}, got {planner!r}")
@@ -284,7 +286,10 @@ class GlanceEngine:
         if "ngram" in self.draft_sources:
             if drafter is None:
                 raise ValueError("draft source 'ngram' runs in mode 'glance', which needs a drafter")
-            source = NgramSource(ngram or NgramSettings(max_depth=self.block_size - 1))
+            settings = ngram or NgramSettings(max_depth=self.block_size - 1)
+            if ngram_corpus is not None:  # the cross-request corpus's scope: shared | per-key | off
+                settings = dataclasses.replace(settings, scope=ngram_corpus)
+            source = NgramSource(settings)
             if not source.available:
                 raise ValueError(source.reason)
             self.ngram = NgramCandidates(source)
