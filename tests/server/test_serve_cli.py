@@ -42,19 +42,43 @@ def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
     (["serve", "--allow-remote-images"], "--remote-image-host"),
     (["serve", "--planner", "greedy"], "invalid choice: 'greedy'"),
     (["serve", "--backend", "sglang", "--upstream", "http://127.0.0.1:9", "--planner", "fixed"], "GLANCE_PLANNER"),
+    (["serve", "--draft-sources", "drafter,beam"], "--draft-sources 'drafter,beam': draft sources must be"),
+    (["serve", "--draft-sources", ","], "--draft-sources ',': draft sources must be a non-empty subset"),
+    (["serve", "--ngram-corpus", "per-key"], "--ngram-corpus scopes the n-gram source's corpus"),
+    (["serve", "--ngram-corpus", "tenant"], "invalid choice: 'tenant'"),
+    (["serve", "--draft-sources", "ngram", "--mode", "chain"], "--mode glance"),
+    (["serve", "--backend", "sglang", "--upstream", "http://127.0.0.1:9", "--draft-sources", "drafter,ngram"],
+     "GLANCE_DRAFT_SOURCES"),
+    (["serve", "--backend", "sglang", "--draft-sources", "drafter,ngram", "--ngram-corpus", "per-key"],
+     "--ngram-corpus per-key"),
 ])
 def test_serve_argument_errors(argv, message, capsys, checkpoints):
     code, err = run_cli(argv, capsys)
     assert code == 2 and message in err
 
 
+@pytest.mark.parametrize("value", ["", "a,,b", " , "])
+def test_serve_api_key_list_errors(value, monkeypatch, capsys, checkpoints):
+    monkeypatch.setenv("GLANCE_TEST_KEYS", value)
+    code, err = run_cli(["serve", "--api-key-env", "GLANCE_TEST_KEYS"], capsys)
+    assert code == 2 and "--api-key-env GLANCE_TEST_KEYS" in err and "empty" in err
+
+
+def test_worker_env_for_a_launched_sglang_server():
+    from glance_server.cli import worker_env
+
+    assert worker_env(None, None, None) == {}
+    assert worker_env("auto", ("drafter", "ngram"), "off") == {
+        "GLANCE_PLANNER": "auto", "GLANCE_DRAFT_SOURCES": "drafter,ngram", "GLANCE_NGRAM_CORPUS": "off"}
+
+
 def test_glance_serve_process(checkpoints):
     target, drafter = checkpoints
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLANCE_TEST_KEY": "s3cret"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLANCE_TEST_KEY": "s3cret, other-tenant"}  # two tenants' keys
     proc = subprocess.Popen(
         [*GLANCE, "serve", "--model", str(target), "--drafter", str(drafter), "--port", "0", "--budget", "7",
          "--planner", "fixed", "--served-model-name", "tiny", "--api-key-env", "GLANCE_TEST_KEY", "--no-calibrate",
-         "--threads", "1"],
+         "--threads", "1", "--draft-sources", "ngram,drafter", "--ngram-corpus", "per-key"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None
@@ -78,6 +102,14 @@ def test_glance_serve_process(checkpoints):
         r = client.chat.completions.create(model="tiny", messages=image_message("hello", seed=2), max_tokens=5,
                                            temperature=0, extra_body={"glance": {"planner": "auto"}})
         assert r.model_extra["glance"]["planner"] == "auto"
+        assert r.model_extra["glance"]["draft_sources"] == ["drafter", "ngram"]  # --draft-sources
+        other = openai.OpenAI(base_url=url + "/v1", api_key="other-tenant", max_retries=0, timeout=60)
+        r = other.chat.completions.create(model="tiny", messages=image_message("hello", seed=2), max_tokens=5,
+                                          temperature=0, extra_body={"glance": {"draft_sources": "ngram"}})
+        assert r.model_extra["glance"]["draft_sources"] == ["ngram"]
+        assert set(r.model_extra["glance"]["sources"]) == {"drafter", "ngram", "both"}
+        card = other.models.retrieve("tiny").model_extra["glance"]
+        assert card["draft_sources"] == ["drafter", "ngram"] and card["ngram_corpus"] == "per-key"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
     finally:
