@@ -225,25 +225,38 @@ METHOD_COLUMNS = ("tau", "tau_minus_1", "decode_ms_per_token", "decode_speedup",
 
 
 def test_bench_report_has_every_method_and_column(engines, tmp_path):
-    """A tiny bench on the random pair: AR, GLANCE auto and fixed, the chain and the HF peers on a demo task and
-    on wild, every column, lossless, the law fitted on the fixed run's drafting rounds, JSON and plots."""
+    """A tiny bench on the random pair: AR, GLANCE auto and fixed, the chain, n-gram only and merged (where the
+    n-gram source runs) and the HF peers on a demo task and on wild, every column, lossless, accepted tokens per
+    source, the law fitted on the fixed run's drafting rounds, JSON and plots."""
     import json
 
-    from glance_sgl.demo.bench import format_table, run_bench, save_json, write_plots
+    from glance_sgl.demo.bench import format_table, ngram_available, run_bench, save_json, write_plots
     from glance_sgl.demo.wild import wild_set
     from glance_sgl.engine import SamplingParams
 
     engine = engines["qwen2_5_vl"]
     report = run_bench(engine, limit=1, max_tokens=8, tasks=("caption", "wild"), progress=False)
-    assert report["methods"] == ["ar", "auto", "fixed", "chain", "hf_greedy", "hf_prompt_lookup"]
+    sources = ["ngram", "merged"] if ngram_available() else []
+    assert report["methods"] == ["ar", "auto", "fixed", "chain", *sources, "hf_greedy", "hf_prompt_lookup"]
     for task in ("caption", "wild"):
         s = report["tasks"][task]
         assert set(s["methods"]) == set(report["methods"])
         for method, m in s["methods"].items():
             assert set(METHOD_COLUMNS) <= set(m), method
             assert m["decode_speedup"] > 0 and m["e2e_speedup"] > 0
-        for method in ("ar", "auto", "fixed", "chain", "hf_greedy"):
+        for method in ("ar", "auto", "fixed", "chain", *sources, "hf_greedy"):
             assert s["methods"][method]["lossless_match_rate"] == 1.0, method
+        none = {"rounds": 0, "accepted_tokens": 0}
+        assert s["methods"]["ar"]["sources"] == {"drafter": none, "ngram": none, "both": none}
+        for method in ("fixed", "chain"):  # the drafter alone
+            per = s["methods"][method]["sources"]
+            assert per["ngram"] == per["both"] == none and per["drafter"]["rounds"] == s["methods"][method]["rounds"]
+        if sources:
+            per = s["methods"]["ngram"]["sources"]
+            assert per["drafter"] == per["both"] == none  # no drafter pass: n-gram candidates alone
+            assert s["methods"]["ngram"]["rounds_without_drafting"] == s["methods"]["ngram"]["rounds"]
+            assert all(v["rounds"] <= s["methods"]["merged"]["rounds"] for v in s["methods"]["merged"]["sources"].values())
+        assert s["methods"]["hf_greedy"]["sources"] is None
         assert s["lossless_match_rate"] == 1.0
         ar, auto, fixed = s["methods"]["ar"], s["methods"]["auto"], s["methods"]["fixed"]
         assert ar["round_cost_ar_steps"] == pytest.approx(1.0) and ar["tau"] == 1.0
@@ -262,6 +275,9 @@ def test_bench_report_has_every_method_and_column(engines, tmp_path):
     table = format_table(report)
     for text in ("GLANCE auto", "GLANCE fixed", "round/AR", "eff", "rows/rd", "pred/rd", "wild (not trained"):
         assert text in table
+    if sources:
+        assert "n-gram only" in table and "caption: GLANCE+ngram accepted tokens per source: drafter " in table
+        assert report["source_methods"] == {"ngram": ["ngram"], "merged": ["drafter", "ngram"]}
     # the law is fitted on the fixed run's drafting rounds but each request's last (cut short by the answer's end)
     fixed = engine.generate(wild_set()[0].messages(), SamplingParams(max_tokens=8), planner="fixed")
     assert report["law_method"] == "fixed"
@@ -278,7 +294,7 @@ def test_bench_single_planner(engines):
     from glance_sgl.demo.bench import run_bench
 
     report = run_bench(engines["qwen2_5_vl"], limit=1, max_tokens=6, tasks=("open",), progress=False, peers=False,
-                       planners=("fixed",))
+                       planners=("fixed",), sources=False)
     assert report["methods"] == ["ar", "fixed", "chain"] and report["glance_method"] == "fixed"
     assert report["tasks"]["open"]["methods"]["fixed"]["lossless_match_rate"] == 1.0
     with pytest.raises(ValueError, match="planners"):

@@ -2,14 +2,20 @@
 
 For every task and prompt the engine's methods run back to back in an order that rotates from prompt to prompt:
 the AR path, GLANCE with the cost-aware planner (``auto``), GLANCE with today's fixed tree every round
-(``fixed``) and the width-1 chain; then Hugging Face ``generate`` greedy and prompt-lookup decoding. Tasks: the
-five demo tasks and ``wild`` (requests unlike them, :mod:`.wild`; reported apart from the five-task geomean).
+(``fixed``), the width-1 chain and, where SGLang's ``NgramCorpus`` is available, the candidate sources of issue 27:
+n-gram matches alone (``ngram``: ``draft_sources=("ngram",)``, no drafter pass) and the drafter and n-gram matches
+merged into one tree (``merged``), both planned by the headline planner, each on an engine of its own (its own
+cross-request corpus of the bench's earlier answers, its own planner statistics); then Hugging Face ``generate``
+greedy and prompt-lookup decoding. Tasks: the five demo tasks and ``wild`` (requests unlike them, :mod:`.wild`;
+reported apart from the five-task geomean).
 
 Per method and task (totals over the task's prompts): tau (committed tokens per round, bonus included), decode
 ms/token, decode and end-to-end speedups over AR, round cost in AR steps ((decode ms / rounds) / AR's decode
 ms per token: what one round costs), efficiency (speedup / tau: the share of tau the round cost leaves),
-token-for-token match with AR, rows verified per round (1 = a round without drafting) and the tokens the planner
-predicted per round next to what was committed. Peers through ``generate`` start from a separate prefill pass;
+token-for-token match with AR, rows verified per round (1 = a round without drafting), the tokens the planner
+predicted per round next to what was committed, and per candidate source (drafter, ngram, both: nodes both
+proposed) the rounds that verified its candidates and the drafts accepted from them
+(``glance_sgl.metrics.source_counts``). Peers through ``generate`` start from a separate prefill pass;
 their decode time is the ``generate`` call (prompt lookup's rounds are not observable: no tau for it).
 
 The entropy law is fitted on the ``fixed`` run's drafting rounds (rows > 1; every round drafts there), without
@@ -36,8 +42,10 @@ from .wild import wild_set
 BENCH_TASKS = TASKS + (WILD,)
 PLANNERS = ("auto", "fixed")
 PEERS = ("hf_greedy", "hf_prompt_lookup")
-LABELS = {"ar": "AR", "auto": "GLANCE auto", "fixed": "GLANCE fixed", "chain": "chain",
-          "hf_greedy": "HF greedy", "hf_prompt_lookup": "HF lookup"}
+SOURCE_METHODS = {"ngram": ("ngram",), "merged": ("drafter", "ngram")}  # method -> draft sources
+LABELS = {"ar": "AR", "auto": "GLANCE auto", "fixed": "GLANCE fixed", "chain": "chain", "ngram": "n-gram only",
+          "merged": "GLANCE+ngram", "hf_greedy": "HF greedy", "hf_prompt_lookup": "HF lookup"}
+SOURCES = ("drafter", "ngram", "both")
 
 
 def bench_examples(task: str, limit: int) -> list[Any]:
@@ -49,15 +57,36 @@ def bench_examples(task: str, limit: int) -> list[Any]:
     return list(eval_set(task)[:limit])
 
 
-def engine_methods(planners: Sequence[str] = PLANNERS) -> tuple[str, ...]:
-    """The engine's methods for a choice of GLANCE planners: AR, each planner, the chain."""
+def engine_methods(planners: Sequence[str] = PLANNERS, sources: bool = False) -> tuple[str, ...]:
+    """The engine's methods for a choice of GLANCE planners: AR, each planner, the chain; with ``sources`` the
+    n-gram-only and the merged methods (:data:`SOURCE_METHODS`)."""
     bad = [p for p in planners if p not in PLANNERS]
     if bad or not planners:
         raise ValueError(f"planners must be a non-empty subset of {PLANNERS}, got {list(planners)}")
-    return ("ar", *[p for p in PLANNERS if p in planners], "chain")
+    return ("ar", *[p for p in PLANNERS if p in planners], "chain", *(SOURCE_METHODS if sources else ()))
 
 
-def _run_method(engine: GlanceEngine, messages, params: SamplingParams, method: str):
+def ngram_available() -> bool:
+    """Whether SGLang's ``NgramCorpus`` (the n-gram source) can run here."""
+    from ..ngram_source import ngram_corpus_class
+
+    return ngram_corpus_class()[0] is not None
+
+
+def source_engines(engine: GlanceEngine) -> dict[str, GlanceEngine]:
+    """One engine per source method, on ``engine``'s target and drafter with its tree settings: each keeps its
+    own n-gram corpus (the bench's earlier answers of that method only) and its own planners."""
+    return {m: GlanceEngine(engine.target, engine.drafter, budget=engine.budget, branch_k=engine.branch_k,
+                            mode="glance", planner=engine.planner_mode, max_nodes=engine.max_nodes,
+                            draft_sources=("drafter", "ngram")) for m in SOURCE_METHODS}
+
+
+def _run_method(engine: GlanceEngine, messages, params: SamplingParams, method: str,
+                others: dict[str, GlanceEngine] | None = None, planner: str = "auto"):
+    if method in SOURCE_METHODS:
+        assert others is not None
+        return others[method].generate(messages, params, mode="glance", planner=planner,
+                                       draft_sources=SOURCE_METHODS[method])
     if method in PLANNERS:
         return engine.generate(messages, params, mode="glance", planner=method)
     return engine.generate(messages, params, mode=method)
@@ -88,6 +117,8 @@ class MethodStats:
     predicted: float = 0.0  # sum of the planner's predicted tokens over the rounds that had a prediction
     predicted_rounds: int = 0
     predicted_committed: int = 0  # tokens committed by those rounds
+    source_rounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    source_accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
 
     def add_result(self, result, ar_tokens: list[int]) -> None:
         """One engine run (a ``GenerationResult``) of a prompt whose AR tokens are ``ar_tokens``."""
@@ -98,6 +129,9 @@ class MethodStats:
         for r in m.rows_per_round:
             self.rows[r] = self.rows.get(r, 0) + 1
         self.without_drafting += m.rounds_without_drafting
+        for k, v in m.sources.items():
+            self.source_rounds[k] += v["rounds"]
+            self.source_accepted[k] += v["accepted_tokens"]
         pred = list(m.predicted_per_round)
         if pred:
             self.predicted += sum(pred)
@@ -154,6 +188,8 @@ class MethodStats:
             if self.rows and self.rounds else None,
             "predicted_tokens_per_round": _ratio(self.predicted, self.predicted_rounds),
             "actual_tokens_per_predicted_round": _ratio(self.predicted_committed, self.predicted_rounds),
+            "sources": {k: {"rounds": self.source_rounds[k], "accepted_tokens": self.source_accepted[k]}
+                        for k in SOURCES} if self.rows else None,
         }
 
 
@@ -238,22 +274,32 @@ def _hf_decode(target, messages, max_tokens: int, **kwargs) -> tuple[list[int], 
 
 
 def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks: tuple[str, ...] = BENCH_TASKS,
-              progress: bool = True, peers: bool = True, planners: Sequence[str] = PLANNERS) -> dict[str, Any]:
+              progress: bool = True, peers: bool = True, planners: Sequence[str] = PLANNERS,
+              sources: bool | None = None) -> dict[str, Any]:
     """Every method on the first ``limit`` prompts of every task, back to back (module docstring).
 
     ``planners``: the GLANCE methods to run (``("auto", "fixed")`` or one of them). The report's headline
     method (``glance_method``, the flat per-task keys and ``geomean_decode_speedup``) is ``auto`` when it runs.
+    ``sources``: run the n-gram-only and merged methods (planned by the headline planner); None: where the
+    n-gram source is available (:func:`ngram_available`).
     """
     from tqdm import tqdm
 
-    methods = engine_methods(planners)
+    if sources is None:
+        sources = ngram_available()
+    methods = engine_methods(planners, sources=sources)
     headline = "auto" if "auto" in methods else methods[1]
+    others = source_engines(engine) if sources else None
+
+    def run(method: str, messages):
+        return _run_method(engine, messages, params, method, others, headline)
+
     all_methods = methods + (PEERS if peers else ())
     params = SamplingParams(max_tokens=max_tokens)
     target = engine.target
     warm = bench_examples(tasks[0], 1)[0].messages()
     for method in methods:
-        _run_method(engine, warm, params, method)
+        run(method, warm)
     results: dict[str, TaskResult] = {}
     jobs = [(task, ex) for task in tasks for ex in bench_examples(task, limit)]
     bar = tqdm(jobs, desc="bench", disable=not progress, dynamic_ncols=True)
@@ -264,7 +310,7 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
         # the engine's methods run back to back in an order that rotates from prompt to prompt, so no method
         # always runs first (or right after another) on a machine whose speed drifts
         k = i % len(methods)
-        runs = {m: _run_method(engine, messages, params, m) for m in methods[k:] + methods[:k]}
+        runs = {m: run(m, messages) for m in methods[k:] + methods[:k]}
         ar_tokens = runs["ar"].token_ids
         for m in methods:
             res.stats[m].add_result(runs[m], ar_tokens)
@@ -295,6 +341,8 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
         "max_tokens": max_tokens,
         "limit": limit,
         "law_method": "fixed" if "fixed" in methods else headline,
+        "source_methods": {m: list(SOURCE_METHODS[m]) for m in methods if m in SOURCE_METHODS},
+        "source_planner": headline if sources else None,
     }
     if WILD in summary:
         out["wild"] = {m: s["decode_speedup"] for m, s in summary[WILD]["methods"].items() if m != "ar"}
@@ -337,7 +385,7 @@ def run_sweep(engine: GlanceEngine, configs: list[tuple[int, int]], limit: int =
         config_engine = GlanceEngine(engine.target, engine.drafter, budget=budget, branch_k=branch_k,
                                      mode=engine.mode, planner=engine.planner_mode)
         rep = run_bench(config_engine, limit=limit, max_tokens=max_tokens, tasks=tasks, progress=progress,
-                        peers=False, planners=planners)
+                        peers=False, planners=planners, sources=False)
         per_task = {}
         for t, s in rep["tasks"].items():
             ms = s["methods"]
@@ -412,6 +460,11 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"{task}: auto rows per round {{{hist}}}, {auto['rounds_without_drafting']} of "
                          f"{auto['rounds']} rounds without drafting; predicted {_f(auto['predicted_tokens_per_round'])}"
                          f" vs committed {_f(auto['actual_tokens_per_predicted_round'])} tokens per round")
+    for task, s in report["tasks"].items():  # accepted drafts per candidate source, where sources were merged
+        merged = s["methods"].get("merged")
+        if merged and merged["sources"]:
+            per = ", ".join(f"{k} {v['accepted_tokens']} ({v['rounds']} rounds)" for k, v in merged["sources"].items())
+            lines.append(f"{task}: {LABELS['merged']} accepted tokens per source: {per}")
     if report["geomean"]:
         geo = ", ".join(f"{LABELS.get(m, m)} {_f(g['decode_speedup'])}x" for m, g in report["geomean"].items())
         lines.append(f"geomean decode speedup over {len(report['geomean_tasks'])} demo tasks: {geo}; "
@@ -468,7 +521,7 @@ def write_plots(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     others = [m for m in report["methods"] if m != "ar"]
     grouped(others, "decode_speedup", "decode speedup over AR (x)", "Decode speedup per task",
             "speedup_per_task.png", 1.0)
-    grouped([m for m in others if m in ("auto", "fixed", "chain")], "tau", "tau (tokens per round, bonus included)",
+    grouped([m for m in others if m in ("auto", "fixed", "chain", *SOURCE_METHODS)], "tau", "tau (tokens per round, bonus included)",
             "Acceptance per task", "tau_per_task.png", None)
 
     fig, ax = plt.subplots(figsize=(7, 4))
