@@ -1,13 +1,31 @@
-"""Benchmark through SGLang on this machine: GLANCE (auto / fixed planner) vs no speculation vs SGLang's NGRAM.
+"""Benchmark through SGLang on this machine: GLANCE (auto / fixed / off planner) vs no speculation vs SGLang's
+NGRAM and DFLASH.
 
     python -m glance_sgl.sglang.bench [--model DIR --drafter DIR] [--prompts 32] [--max-tokens 64]
-        [--methods none,ngram,glance,glance-fixed,glance+ngram] [--concurrency 1,4,16] [--wild 16]
-        [--wild-concurrency 1,8] [--interleave] [--step-stats --log-dir DIR]
+        [--methods none,ngram,dflash,glance,glance-fixed,glance-off,glance+ngram] [--concurrency 1,4,16]
+        [--wild 16] [--wild-concurrency 1,8] [--interleave] [--overlap on|off] [--step-stats] [--count-host-reads]
+        [--log-dir DIR] [--json FILE]
 
 ``glance+ngram`` is GLANCE (auto planner) with the n-gram source's candidates merged into the drafter's tree
-(``GLANCE_DRAFT_SOURCES=drafter,ngram``). ``--step-stats`` (with ``--log-dir``) logs every GLANCE step
-(``GLANCE_SGL_PROFILE=1``, a small cost for the GLANCE methods alike) and adds the mean rows verified per request
-and step to the table (NGRAM verifies ``--ngram-draft-tokens`` rows, no speculation 1).
+(``GLANCE_DRAFT_SOURCES=drafter,ngram``); ``glance-off`` is GLANCE with drafting forced off (``GLANCE_PLANNER=off``:
+every step an AR step through the speculative worker, the "never hurts" cost against ``none``). ``dflash`` is
+SGLang's own DFLASH loading the GLANCE drafter unchanged (our checkpoints are DFlash checkpoints: the same weights,
+chain verification, SGLang's implementation), with ``speculative_num_draft_tokens`` = the drafter's ``block_size``;
+SGLang runs DFLASH on CUDA / NPU / XPU only (:data:`DFLASH_CPU_REASON`): on the CPU the method fails at once with
+that reason and the other methods still run. ``--overlap on`` / ``off`` starts the speculative engines (GLANCE,
+DFLASH, NGRAM) with SGLang's overlap scheduler on / off (``disable_overlap_schedule``; default: the engine's own
+choice, on the CPU off); an engine that refuses is reported as failed, the others still run.
+
+``--step-stats`` (with ``--log-dir``) logs every GLANCE step (``GLANCE_SGL_PROFILE=1``, a small cost for the GLANCE
+methods alike) and adds the mean rows verified per request and step to the table (NGRAM verifies
+``--ngram-draft-tokens`` rows, DFLASH its block size, no speculation 1). ``--count-host-reads`` (with
+``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
+(``GLANCE_SGL_COUNT_HOST_READS=1``, a cost: do not read its speeds) and reports the max / mean per step, overall and
+by (batch size, rows verified per request).
+
+A method whose engine fails (start-up refused, crash) is reported with its error, one line, and the rest run; the
+exit status is then 1. With ``--json`` the report is rewritten after every method, so that a run cut short keeps
+what finished.
 
 The same harness for every method, each method in a fresh engine in its own process (``runner.EngineProcess``),
 one method after the other, or with ``--interleave`` all engines alive at once and each scenario's request chunks
@@ -30,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -37,44 +56,188 @@ from typing import Any
 
 from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, wild_requests
 
-import re
+METHODS = ("none", "ngram", "dflash", "glance", "glance-fixed", "glance-off", "glance+ngram")
+GLANCE_METHODS = ("glance", "glance-fixed", "glance-off", "glance+ngram")
+ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", **{m: "GLANCE" for m in GLANCE_METHODS}}
+PLANNERS = {"glance": "auto", "glance-fixed": "fixed", "glance-off": "off", "glance+ngram": "auto"}
 
-METHODS = ("none", "ngram", "glance", "glance-fixed", "glance+ngram")
-GLANCE_METHODS = ("glance", "glance-fixed", "glance+ngram")
+# Why SGLang 0.5.23 cannot run DFLASH on a CPU: the first check its server arguments meet. On an in-tree platform
+# (the CPU is one) ``_handle_dflash`` accepts only devices starting with "cuda", "npu" or "xpu" and raises
+# otherwise; the CPU engine never reaches the worker. Past that check the worker itself is CUDA-bound too
+# (``dflash_worker_v2.py``: ``torch.cuda.synchronize`` / ``torch.cuda.memory_stats`` in its memory probe, the
+# fused KV materialisation and verify kernels behind ``is_cuda() or is_hip() or is_xpu()``).
+DFLASH_CPU_REASON = ("SGLang's DFLASH does not run on a CPU: sglang/srt/arg_groups/speculative_hook.py:291-301 "
+                     "(_handle_dflash) accepts only device cuda*, npu or xpu on an in-tree platform and raises "
+                     "ValueError(\"DFLASH speculative decoding is not supported by SRTPlatform on device 'cpu'.\"); "
+                     "run it with --device cuda")
+
+
+def drafter_block_size(drafter: Path) -> int:
+    """The drafter's block size as SGLang's DFLASH reads it (``dflash_config.block_size``, else the top-level
+    ``block_size``; 16 when neither is set, SGLang's default)."""
+    cfg = json.loads((Path(drafter) / "config.json").read_text())
+    raw = (cfg.get("dflash_config") or {}).get("block_size", cfg.get("block_size"))
+    return int(raw) if raw is not None else 16
+
+
+def dflash_preflight(model: Path, drafter: Path) -> list[str]:
+    """What SGLang 0.5.23's DFLASH will object to in this target / drafter pair, read from the config files and
+    SGLang's source without starting it (empty: nothing found). Warnings, not a verdict: a plugin may patch the
+    target class at run time."""
+    import importlib.util
+
+    problems: list[str] = []
+    d = json.loads((Path(drafter) / "config.json").read_text())
+    t = json.loads((Path(model) / "config.json").read_text())
+    tt = t.get("text_config", t)
+    dc = d.get("dflash_config") or {}
+    if "DFlashDraftModel" not in (d.get("architectures") or []):
+        problems.append(f"drafter architectures {d.get('architectures')}: DFLASH loads DFlashDraftModel")
+    n_target = int(tt.get("num_hidden_layers", 0))
+    ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
+    if ids is None:
+        problems.append("drafter config names no dflash_config.target_layer_ids: SGLang would pick its own layers")
+    elif any(not 0 <= int(i) < n_target - 1 for i in ids):
+        problems.append(f"target_layer_ids {ids} outside 0..{n_target - 2} (the target has {n_target} layers; "
+                        "the last one cannot be captured)")
+    if d.get("num_target_layers") not in (None, n_target):
+        problems.append(f"num_target_layers {d.get('num_target_layers')} != the target's {n_target} layers")
+    for key in ("hidden_size", "vocab_size"):
+        if d.get(key) != tt.get(key, t.get(key)):
+            problems.append(f"drafter {key} {d.get(key)} != target {tt.get(key, t.get(key))} (DFLASH shares the "
+                            "target's embedding and LM head)")
+    if dc.get("mask_token_id", d.get("mask_token_id")) is None:
+        problems.append("no dflash_config.mask_token_id: DFLASH then looks up or adds the token '<|MASK|>'")
+    spec = importlib.util.find_spec("sglang")
+    arch = (t.get("architectures") or ["?"])[0]
+    if spec and spec.submodule_search_locations:
+        models = Path(list(spec.submodule_search_locations)[0]) / "srt" / "models"
+        for f in sorted(models.glob("*.py")):
+            text = f.read_text(errors="replace")
+            m = re.search(rf"^class {re.escape(arch)}\b.*?(?=^class |\Z)", text, re.S | re.M)
+            if m:
+                if "def set_dflash_layers_to_capture" not in m.group(0) and \
+                        "def set_dspark_layers_to_capture" not in m.group(0):
+                    problems.append(
+                        f"SGLang's {arch} (sglang/srt/models/{f.name}) defines no set_dflash_layers_to_capture: "
+                        "unless a plugin adds it, DFLASH stops in configure_aux_hidden_state_capture "
+                        "(sglang/srt/model_executor/model_runner_components/attention_backend_setup.py) with "
+                        f"\"Model {arch} implements neither set_dspark_layers_to_capture nor "
+                        "set_dflash_layers_to_capture\"")
+                break
+    return problems
 
 
 def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_tokens: int,
-                  glance_tokens: int | None = None, cuda_graphs: bool = True) -> dict[str, Any]:
-    algo = {"none": None, "ngram": "NGRAM", "glance": "GLANCE", "glance-fixed": "GLANCE",
-            "glance+ngram": "GLANCE"}[method]
+                  glance_tokens: int | None = None, cuda_graphs: bool = True, overlap: str | None = None
+                  ) -> dict[str, Any]:
+    """``sglang.Engine`` arguments of a method; ``overlap`` ("on" / "off" / None: the engine's default) sets
+    ``disable_overlap_schedule`` of the speculative engines (on the CPU it overrides the CPU mode's "off")."""
+    algo = ALGORITHMS[method]
     if device == "cpu":
         kw = cpu_engine_kwargs(model, drafter, algorithm=algo)
     else:
         kw = dict(model_path=str(model), dtype="bfloat16", log_level="warning", random_seed=0,
                   mem_fraction_static=0.5, disable_cuda_graph=not cuda_graphs)
-        if algo == "GLANCE":
-            kw.update(speculative_algorithm="GLANCE", speculative_draft_model_path=str(drafter))
-        elif algo == "NGRAM":
-            kw.update(speculative_algorithm="NGRAM")
+        if algo is not None:
+            kw.update(speculative_algorithm=algo)
+    if algo in ("GLANCE", "DFLASH"):
+        kw["speculative_draft_model_path"] = str(drafter)
     if algo == "NGRAM":
         kw["speculative_num_draft_tokens"] = ngram_tokens
     if algo == "GLANCE" and glance_tokens:
         kw["speculative_num_draft_tokens"] = glance_tokens
+    if algo == "DFLASH":
+        kw["speculative_num_draft_tokens"] = drafter_block_size(drafter)
+    if algo is not None and overlap is not None:
+        kw["disable_overlap_schedule"] = overlap == "off"
     return kw
 
 
-def engine_env(method: str, step_stats: bool = False) -> dict[str, str]:
+def engine_env(method: str, step_stats: bool = False, count_host_reads: bool = False) -> dict[str, str]:
     """The planner of a GLANCE method (``GLANCE_PLANNER``; see glance_sgl/sglang/planning.py), its candidate
-    sources (``GLANCE_DRAFT_SOURCES``) and, with ``step_stats``, its per-step log (``GLANCE_SGL_PROFILE``)."""
-    env = {"GLANCE_PLANNER": "fixed" if method == "glance-fixed" else "auto"}
+    sources (``GLANCE_DRAFT_SOURCES``) and, with ``step_stats``, its per-step log (``GLANCE_SGL_PROFILE``), with
+    ``count_host_reads`` its host-read count per step (``GLANCE_SGL_COUNT_HOST_READS``)."""
+    if method not in GLANCE_METHODS:
+        return {}
+    env = {"GLANCE_PLANNER": PLANNERS[method]}
     if method == "glance+ngram":
         env["GLANCE_DRAFT_SOURCES"] = "drafter,ngram"
-    if step_stats and method in GLANCE_METHODS:
+    if step_stats:
         env["GLANCE_SGL_PROFILE"] = "1"
+    if count_host_reads:
+        env["GLANCE_SGL_COUNT_HOST_READS"] = "1"
     return env
 
 
+def method_unavailable(method: str, device: str) -> str | None:
+    """Why ``method`` cannot run on ``device`` at all (None: try it)."""
+    if method == "dflash" and device == "cpu":
+        return DFLASH_CPU_REASON
+    return None
+
+
+_ERROR = re.compile(r"^\s*(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$", re.M)
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for a method that failed: the last ``SomethingError: message`` in the engine's log tail (what
+    SGLang raised), else the exception itself."""
+    text = str(exc)
+    found = _ERROR.findall(text)
+    if found:
+        kind, msg = found[-1]
+        return f"{kind}: {msg.strip()}"[:500]
+    return f"{type(exc).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"[:500]
+
+
+def failed_row(method: str, exc: BaseException | str) -> dict[str, Any]:
+    if isinstance(exc, str):
+        return {"method": method, "error": exc, "scenarios": {}}
+    return {"method": method, "error": error_line(exc), "error_tail": str(exc)[-3000:], "scenarios": {}}
+
+
 _STEP = re.compile(r"GLANCE step bs=(\d+) .*? target\[(\d+)\]")
+_HOST_READS = re.compile(r"GLANCE host reads bs=(\d+) rows=(\d+): (\d+) (\{[^\n]*\})?")
+
+
+def host_reads(log: Path) -> dict[str, Any] | None:
+    """Device-to-host reads per decode step from a GLANCE engine's log (``GLANCE_SGL_COUNT_HOST_READS=1``: lines
+    ``GLANCE host reads bs=B rows=R: N {method: count}``; warm-up included): steps counted, max and mean reads per
+    step, overall, by ``bs=B ar`` / ``bs=B tree`` (rows verified per request <= 1: an AR step, else a tree
+    verify) and by ``bs=B rows=R``, and the reads by tensor method summed over all steps. None: no log or no such
+    line."""
+    import ast
+    from collections import Counter
+
+    if not log.is_file():
+        return None
+    per: dict[str, list[int]] = {}
+    calls: Counter[str] = Counter()
+    every: list[int] = []
+    for m in _HOST_READS.finditer(log.read_text(errors="replace")):
+        n = int(m.group(3))
+        every.append(n)
+        per.setdefault(f"bs={m.group(1)} rows={m.group(2)}", []).append(n)
+        if m.group(4):
+            try:
+                calls.update({str(k): int(v) for k, v in ast.literal_eval(m.group(4)).items()})
+            except (ValueError, SyntaxError, AttributeError):
+                pass
+    if not every:
+        return None
+
+    def stats(xs: list[int]) -> dict[str, Any]:
+        return {"steps": len(xs), "max": max(xs), "mean": round(sum(xs) / len(xs), 3)}
+
+    kinds: dict[str, list[int]] = {}
+    for k, xs in per.items():  # rows <= 1: an AR step (the planner off or choosing no draft), else a tree verify
+        bs, rows = (int(x.split("=")[1]) for x in k.split())
+        kinds.setdefault(f"bs={bs} {'ar' if rows <= 1 else 'tree'}", []).extend(xs)
+    key = lambda k: tuple(int(x.split("=")[1]) for x in k.split())  # noqa: E731
+    kind_key = lambda k: (int(k.split()[0].split("=")[1]), k.split()[1])  # noqa: E731
+    return {**stats(every), "by_kind": {k: stats(kinds[k]) for k in sorted(kinds, key=kind_key)},
+            "by_shape": {k: stats(per[k]) for k in sorted(per, key=key)}, "calls": dict(sorted(calls.items()))}
 
 
 def rows_per_step(log: Path) -> float | None:
@@ -122,16 +285,20 @@ def _warm_up(eng: EngineProcess, scenarios: dict[str, tuple[list[dict[str, Any]]
 def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[list[dict[str, Any]], int]],
                log_dir: Path | None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Every scenario (name -> (requests, requests in flight)) on one fresh engine; ``demo c=1`` (if present)
-    also gives decode tokens/s."""
+    also gives decode tokens/s. An engine that fails gives a row with ``error`` (and what it measured before)."""
     log = (log_dir / f"{method}.log") if log_dir else None
     out: dict[str, Any] = {"method": method, "scenarios": {}}
-    with EngineProcess(kwargs, env=env, log_path=log) as eng:
-        _warm_up(eng, scenarios)
-        for name, (reqs, c) in scenarios.items():
-            row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1")])
-            print(f"[bench] {method} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
-                  file=sys.stderr, flush=True)
-        out["startup_s"] = eng.startup_s
+    try:
+        with EngineProcess(kwargs, env=env, log_path=log) as eng:
+            out["startup_s"] = eng.startup_s
+            _warm_up(eng, scenarios)
+            for name, (reqs, c) in scenarios.items():
+                row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1")])
+                print(f"[bench] {method} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
+                      file=sys.stderr, flush=True)
+    except Exception as exc:  # one method's failure hides none of the others
+        out.update({k: v for k, v in failed_row(method, exc).items() if k != "scenarios"})
+        print(f"[bench] {method} FAILED: {out['error']}", file=sys.stderr, flush=True)
     return out
 
 
@@ -140,26 +307,50 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
                     ) -> list[dict[str, Any]]:
     """Every method's fresh engine alive at once; each scenario's requests in chunks (2 x in flight, at least
     4), every chunk run by every method in an order that rotates from chunk to chunk, so that a busy spell on a
-    shared machine hits all methods alike."""
-    engines = {m: EngineProcess(kwargs[m], env=envs[m], log_path=(log_dir / f"{m}.log") if log_dir else None,
-                                wait=False) for m in methods}
+    shared machine hits all methods alike. An engine that fails to start (or dies) gives a row with ``error``;
+    the others go on."""
+    rows = {m: {"method": m, "scenarios": {}} for m in methods}
+    engines: dict[str, EngineProcess] = {}
+
+    def fail(m: str, exc: BaseException) -> None:
+        rows[m].update({k: v for k, v in failed_row(m, exc).items() if k != "scenarios"})
+        rows[m]["scenarios"] = {}
+        print(f"[bench] {m} FAILED: {rows[m]['error']}", file=sys.stderr, flush=True)
+        eng = engines.pop(m, None)
+        if eng is not None:
+            eng.close()
+
     try:
-        for eng in engines.values():
-            eng.wait_ready()
-        for eng in engines.values():
-            _warm_up(eng, scenarios)
-        rows = {m: {"method": m, "scenarios": {}, "startup_s": engines[m].startup_s} for m in methods}
+        for m in methods:
+            try:
+                engines[m] = EngineProcess(kwargs[m], env=envs[m], wait=False,
+                                           log_path=(log_dir / f"{m}.log") if log_dir else None)
+            except Exception as exc:
+                fail(m, exc)
+        for m in list(engines):
+            try:
+                rows[m]["startup_s"] = engines[m].wait_ready().startup_s
+                _warm_up(engines[m], scenarios)
+            except Exception as exc:
+                fail(m, exc)
         for name, (reqs, c) in scenarios.items():
             size = max(2 * c, 4)
-            parts: dict[str, list] = {m: [] for m in methods}
+            live = [m for m in methods if m in engines]
+            parts: dict[str, list] = {m: [] for m in live}
             for k, i in enumerate(range(0, len(reqs), size)):
-                order = methods[k % len(methods):] + methods[: k % len(methods)]
+                order = live[k % len(live):] + live[: k % len(live)] if live else []
                 for m in order:
-                    parts[m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1"))
-            for m in methods:
-                row = rows[m]["scenarios"][name] = _pool(parts[m])
-                print(f"[bench] {m} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}", file=sys.stderr,
-                      flush=True)
+                    if m not in engines:
+                        continue
+                    try:
+                        parts[m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1"))
+                    except Exception as exc:
+                        fail(m, exc)
+            for m in live:
+                if m in engines and parts[m]:
+                    row = rows[m]["scenarios"][name] = _pool(parts[m])
+                    print(f"[bench] {m} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
+                          file=sys.stderr, flush=True)
         return [rows[m] for m in methods]
     finally:
         for eng in engines.values():
@@ -167,22 +358,35 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    base = next((r for r in rows if r["method"] == "none"), None)
+    ok = [r for r in rows if not r.get("error")]
+    base = next((r for r in ok if r["method"] == "none"), None)
     lines = [f"{'scenario':<11} {'method':<13} {'output tok/s':>12} {'vs none':>8} {'decode tok/s':>12} "
              f"{'vs none':>8} {'tau':>6} {'identical':>10}"]
     if any(r.get("rows_per_step") is not None for r in rows):
         lines.insert(0, "rows verified per request and step: " + ", ".join(
             f"{r['method']} {r['rows_per_step']:.1f}" for r in rows if r.get("rows_per_step") is not None))
-    for name in rows[0]["scenarios"]:
-        b = base["scenarios"][name] if base else None
+    names = list(dict.fromkeys(n for r in rows for n in r["scenarios"]))
+    for name in names:
+        b = base["scenarios"].get(name) if base else None
         for r in rows:
-            s = r["scenarios"][name]
+            s = r["scenarios"].get(name)
+            if s is None:
+                continue
             ratio = s["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
             dec = s.get("decode_tokens_per_s")
-            dratio = dec / b["decode_tokens_per_s"] if b and dec else float("nan")
+            dratio = dec / b["decode_tokens_per_s"] if b and dec and b.get("decode_tokens_per_s") else float("nan")
             same = f"{sum(x == y for x, y in zip(s['outputs'], b['outputs']))}/{len(s['outputs'])}" if b else "-"
             lines.append(f"{name:<11} {r['method']:<13} {s['tokens_per_s']:>12.1f} {ratio:>7.2f}x "
                          f"{dec if dec else float('nan'):>12.1f} {dratio:>7.2f}x {s['tau']:>6.2f} {same:>10}")
+    for r in rows:
+        if r.get("host_reads"):
+            h = r["host_reads"]
+            lines.append(f"host reads per decode step, {r['method']}: max {h['max']}, mean {h['mean']:.2f} over "
+                         f"{h['steps']} steps; " + ", ".join(f"{k}: max {v['max']} mean {v['mean']:.2f} "
+                                                             f"({v['steps']})" for k, v in h["by_kind"].items()))
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"{r['method']}: FAILED: {r['error']}")
     return "\n".join(lines)
 
 
@@ -196,6 +400,52 @@ def _levels(text: str, flag: str, p: argparse.ArgumentParser) -> list[int]:
     return levels
 
 
+def _report(args: argparse.Namespace, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    return {"device": args.device, "prompts": args.prompts, "wild": args.wild, "max_tokens": args.max_tokens,
+            "model": str(args.model), "drafter": str(args.drafter), "overlap": args.overlap, **extra,
+            "methods": [{**r, "scenarios": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
+                                            for k, v in r["scenarios"].items()}} for r in rows]}
+
+
+# Log lines that say a speculative engine runs without the overlap scheduler (SGLang's CPU rule, SGLang's
+# supports_overlap=False notice, the GLANCE plugin's own switch-off while it registers supports_overlap=False).
+SYNC_MARKERS = ("Overlap schedule is not implemented for speculative decoding on CPU",
+                "registered with supports_overlap=False",
+                "GLANCE runs synchronously: overlap scheduling is turned off")
+
+
+def overlap_note(log: Path | None) -> str | None:
+    """The first line of an engine's log that says it runs synchronously (None: none found, or no log)."""
+    if log is None or not log.is_file():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        if any(m in line for m in SYNC_MARKERS):
+            return line.strip()[:300]
+    return None
+
+
+def _log_stats(args: argparse.Namespace, r: dict[str, Any], stats: bool) -> None:
+    """From the method's engine log (in place): rows verified per step, host reads per step, and whether a
+    speculative engine ran with the overlap scheduler (``overlap_effective``; with ``--overlap on`` an engine
+    that ran synchronously is marked failed, its measurements kept)."""
+    m = r["method"]
+    log = args.log_dir / f"{m}.log" if args.log_dir else None
+    if ALGORITHMS[m] is not None and not r.get("error"):
+        note = overlap_note(log)
+        if note is not None:
+            r["overlap_effective"], r["overlap_note"] = False, note
+        elif args.overlap is not None and log is not None:
+            r["overlap_effective"] = args.overlap == "on"
+        if args.overlap == "on" and note is not None:
+            r["error"] = f"--overlap on, but the engine ran without the overlap scheduler: {note}"
+    if stats:
+        r["rows_per_step"] = (rows_per_step(log) if m in GLANCE_METHODS else
+                              {"none": 1.0, "ngram": float(args.ngram_draft_tokens),
+                               "dflash": float(drafter_block_size(args.drafter))}.get(m))
+    if args.count_host_reads and log is not None and m in GLANCE_METHODS:
+        r["host_reads"] = host_reads(log)
+
+
 def main(argv: list[str] | None = None) -> int:
     from glance_sgl.demo.paths import bundled_drafter, bundled_target
 
@@ -204,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", type=Path, default=bundled_drafter(), help="GLANCE drafter checkpoint")
     p.add_argument("--prompts", type=int, default=32, help="demo evaluation prompts (round-robin over tasks)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--methods", default="none,ngram,glance,glance-fixed,glance+ngram",
+                   help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--concurrency", default="1,4,16", help="demo requests in flight, comma-separated")
     p.add_argument("--wild", type=int, default=16, help="wild requests (noise / photo-like images; 0: none)")
     p.add_argument("--wild-concurrency", default="1,8", help="wild requests in flight, comma-separated")
@@ -213,10 +464,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="GLANCE rows reserved per step (tree budget + 1; default 32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: every engine without CUDA graphs")
-    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--overlap", choices=["on", "off"], default=None,
+                   help="the speculative engines (GLANCE, DFLASH, NGRAM) with SGLang's overlap scheduler on / off "
+                        "(disable_overlap_schedule; default: the engine's choice, on the CPU off)")
+    p.add_argument("--json", type=Path, help="write the report here (rewritten after every method)")
     p.add_argument("--log-dir", type=Path, help="keep each engine's log here")
     p.add_argument("--step-stats", action="store_true",
                    help="with --log-dir: log every GLANCE step and report rows verified per step")
+    p.add_argument("--count-host-reads", action="store_true",
+                   help="with --log-dir: count the GLANCE worker's device-to-host reads per decode step and report "
+                        "max / mean per step (a cost: not for speed)")
     p.add_argument("--interleave", action="store_true",
                    help="all methods' engines alive at once, request chunks alternating between them (a shared, "
                         "busy machine); default: one method after the other")
@@ -232,8 +489,16 @@ def main(argv: list[str] | None = None) -> int:
     stats = args.step_stats and args.log_dir is not None
     if args.step_stats and not stats:
         p.error("--step-stats reads the engines' logs: give --log-dir")
+    if args.count_host_reads and args.log_dir is None:
+        p.error("--count-host-reads reads the engines' logs: give --log-dir")
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
+    extra: dict[str, Any] = {}
+    if "dflash" in methods:
+        extra["dflash_block_size"] = drafter_block_size(args.drafter)
+        extra["dflash_preflight"] = dflash_preflight(args.model, args.drafter)
+        for line in extra["dflash_preflight"]:
+            print(f"[bench] dflash preflight: {line}", file=sys.stderr, flush=True)
     demo, _ = demo_requests(args.model, args.prompts, args.max_tokens)
     scenarios: dict[str, tuple[list[dict[str, Any]], int]] = {
         f"demo c={c}": (demo, c) for c in _levels(args.concurrency, "--concurrency", p)}
@@ -241,29 +506,41 @@ def main(argv: list[str] | None = None) -> int:
         wild = wild_requests(args.model, args.wild, args.max_tokens)
         scenarios.update({f"wild c={c}": (wild, c) for c in _levels(args.wild_concurrency, "--wild-concurrency", p)})
     kwargs = {m: engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
-                               args.glance_draft_tokens, not args.disable_cuda_graph) for m in methods}
-    if args.interleave:
-        print(f"[bench] {', '.join(methods)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
+                               args.glance_draft_tokens, not args.disable_cuda_graph, args.overlap) for m in methods}
+    envs = {m: engine_env(m, stats, args.count_host_reads) for m in methods}
+    unavailable = {m: why for m in methods if (why := method_unavailable(m, args.device))}
+    for m, why in unavailable.items():
+        print(f"[bench] {m} FAILED: {why}", file=sys.stderr, flush=True)
+    runnable = [m for m in methods if m not in unavailable]
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        if args.json:
+            args.json.write_text(json.dumps(_report(args, rows, extra), indent=2) + "\n")
+
+    done: dict[str, dict[str, Any]] = {m: failed_row(m, why) for m, why in unavailable.items()}
+    ordered = lambda: [done[m] for m in methods if m in done]  # noqa: E731
+    if args.interleave and runnable:
+        print(f"[bench] {', '.join(runnable)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
               flush=True)
-        rows = run_interleaved(methods, kwargs, {m: engine_env(m, stats) for m in methods}, scenarios,
-                               args.log_dir)
+        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir):
+            _log_stats(args, r, stats)
+            done[r["method"]] = r
     else:
-        rows = []
-        for m in methods:
+        for m in runnable:
             print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
-            rows.append(run_method(m, kwargs[m], scenarios, args.log_dir, env=engine_env(m, stats)))
-    for r in rows:
-        m = r["method"]
-        r["rows_per_step"] = (rows_per_step(args.log_dir / f"{m}.log") if stats and m in GLANCE_METHODS
-                              else {"none": 1.0, "ngram": float(args.ngram_draft_tokens)}.get(m) if stats else None)
+            r = done[m] = run_method(m, kwargs[m], scenarios, args.log_dir, env=envs[m])
+            _log_stats(args, r, stats)
+            write(ordered())
+    rows = ordered()
+    base = next((r for r in rows if r["method"] == "none" and not r.get("error")), None)
+    for r in rows:  # token-identical to no speculation, per scenario (kept in the JSON, which drops the outputs)
+        for name, s in r["scenarios"].items():
+            b = base["scenarios"].get(name) if base else None
+            if b is not None:
+                s["identical"] = [sum(x == y for x, y in zip(s["outputs"], b["outputs"])), len(s["outputs"])]
     print(format_table(rows))
-    if args.json:
-        report = {"device": args.device, "prompts": args.prompts, "wild": args.wild, "max_tokens": args.max_tokens,
-                  "model": str(args.model), "drafter": str(args.drafter),
-                  "methods": [{**r, "scenarios": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
-                                                  for k, v in r["scenarios"].items()}} for r in rows]}
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+    write(rows)
+    return 1 if any(r.get("error") for r in rows) else 0
 
 
 if __name__ == "__main__":

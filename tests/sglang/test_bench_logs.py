@@ -1,0 +1,95 @@
+"""The SGLang bench's parts that need no engine: the methods' engine arguments and env (DFLASH, GLANCE with the
+planner off, the overlap flag), DFLASH's CPU refusal and its preflight on the bundled pair, and what it reads from
+the engines' logs (host reads per step, a synchronous engine, the error line of a failed engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from glance_sgl.demo.paths import bundled_drafter, bundled_target
+from glance_sgl.sglang import bench
+
+MODEL, DRAFTER = bundled_target(), bundled_drafter()
+
+
+def test_dflash_engine_loads_the_drafter_unchanged_with_its_block_size():
+    block = json.loads((DRAFTER / "config.json").read_text())["block_size"]
+    assert bench.drafter_block_size(DRAFTER) == block
+    for device in ("cpu", "cuda"):
+        kw = bench.engine_kwargs("dflash", MODEL, DRAFTER, device, 8)
+        assert kw["speculative_algorithm"] == "DFLASH"
+        assert kw["speculative_draft_model_path"] == str(DRAFTER)
+        assert kw["speculative_num_draft_tokens"] == block
+    assert bench.engine_env("dflash") == {}
+
+
+def test_overlap_flag_sets_the_speculative_engines_only():
+    for device in ("cpu", "cuda"):
+        for method in ("ngram", "dflash", "glance", "glance-off"):
+            assert bench.engine_kwargs(method, MODEL, DRAFTER, device, 8, overlap="on")["disable_overlap_schedule"] \
+                is False
+            assert bench.engine_kwargs(method, MODEL, DRAFTER, device, 8, overlap="off")["disable_overlap_schedule"] \
+                is True
+        none = bench.engine_kwargs("none", MODEL, DRAFTER, device, 8, overlap="on")
+        assert none.get("disable_overlap_schedule") is (True if device == "cpu" else None)
+    assert "disable_overlap_schedule" not in bench.engine_kwargs("glance", MODEL, DRAFTER, "cuda", 8)
+    assert bench.engine_kwargs("glance", MODEL, DRAFTER, "cpu", 8)["disable_overlap_schedule"] is True
+
+
+def test_glance_off_forces_the_planner_off_and_host_reads_are_opt_in():
+    assert bench.engine_env("glance-off") == {"GLANCE_PLANNER": "off"}
+    assert bench.engine_kwargs("glance-off", MODEL, DRAFTER, "cuda", 8)["speculative_algorithm"] == "GLANCE"
+    assert bench.engine_env("glance", count_host_reads=True) == {"GLANCE_PLANNER": "auto",
+                                                                  "GLANCE_SGL_COUNT_HOST_READS": "1"}
+    assert bench.engine_env("none", step_stats=True, count_host_reads=True) == {}
+
+
+def test_dflash_on_cpu_fails_with_the_reason_not_a_crash():
+    why = bench.method_unavailable("dflash", "cpu")
+    assert "speculative_hook.py" in why and "_handle_dflash" in why and "--device cuda" in why
+    assert bench.method_unavailable("dflash", "cuda") is None
+    assert bench.method_unavailable("glance", "cpu") is None
+    row = bench.failed_row("dflash", why)
+    assert row == {"method": "dflash", "error": why, "scenarios": {}}
+    assert "dflash: FAILED: SGLang's DFLASH does not run on a CPU" in bench.format_table([row])
+
+
+def test_dflash_preflight_on_the_bundled_pair():
+    problems = bench.dflash_preflight(MODEL, DRAFTER)
+    # The drafter's config is what DFLASH reads (layers, block size, mask token id, shapes); what is missing is
+    # on SGLang's side: Qwen2.5-VL has no DFLASH capture method.
+    assert all("set_dflash_layers_to_capture" in p for p in problems), problems
+
+
+def test_host_reads_from_a_log(tmp_path):
+    log = tmp_path / "glance.log"
+    log.write_text("\n".join([
+        "[2026-12-02 08:00:00] GLANCE host reads bs=1 rows=1: 3 {'item': 1, 'tolist': 2}",
+        "[2026-12-02 08:00:00] GLANCE host reads bs=1 rows=16: 7 {'cpu': 2, 'tolist': 5}",
+        "something else",
+        "[2026-12-02 08:00:01] GLANCE host reads bs=1 rows=16: 5 {'tolist': 5}",
+        "[2026-12-02 08:00:01] GLANCE host reads bs=8 rows=0: 2 {'tolist': 2}",
+    ]) + "\n")
+    h = bench.host_reads(log)
+    assert (h["steps"], h["max"], h["mean"]) == (4, 7, 4.25)
+    assert h["by_shape"]["bs=1 rows=16"] == {"steps": 2, "max": 7, "mean": 6.0}
+    assert list(h["by_kind"]) == ["bs=1 ar", "bs=1 tree", "bs=8 ar"]
+    assert h["by_kind"]["bs=8 ar"] == {"steps": 1, "max": 2, "mean": 2.0}
+    assert h["calls"] == {"cpu": 2, "item": 1, "tolist": 14}
+    assert bench.host_reads(tmp_path / "missing.log") is None
+    (tmp_path / "quiet.log").write_text("no counts here\n")
+    assert bench.host_reads(tmp_path / "quiet.log") is None
+
+
+def test_overlap_note_and_error_line(tmp_path):
+    log = tmp_path / "e.log"
+    log.write_text("start\n[t] WARNING Speculative algorithm GLANCE is registered with supports_overlap=False, "
+                   "which is deprecated\n")
+    assert "supports_overlap=False" in bench.overlap_note(log)
+    log.write_text("start\nall fine\n")
+    assert bench.overlap_note(log) is None
+    exc = RuntimeError("SGLang engine process exited (1):\nTraceback (most recent call last):\n  File \"x.py\"\n"
+                       "ValueError: Speculative algorithm GLANCE does not support overlap scheduling.\n")
+    assert bench.error_line(exc) == "ValueError: Speculative algorithm GLANCE does not support overlap scheduling."
+    assert bench.error_line(RuntimeError("boom")) == "RuntimeError: boom"
