@@ -72,6 +72,9 @@ def format_metrics(m: dict[str, Any]) -> str:
         f"({m['decode_ms_per_token']:.2f} ms/token, {m['decode_tokens_per_s']:.1f} tokens/s)",
         "mean root entropy " + (f"{ent:.3f} nats" if ent is not None else "n/a"),
     ]
+    if m.get("draft_sources"):
+        per = ", ".join(f"{k} {v['accepted_tokens']} ({v['rounds']} rounds)" for k, v in m["sources"].items())
+        lines.append(f"draft sources {','.join(m['draft_sources'])}; accepted tokens per source: {per}")
     return "\n".join(lines)
 
 
@@ -98,9 +101,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.planner is not None and (args.ar or args.mode != "glance"):
         raise CLIError("--planner applies to GLANCE tree decoding (--mode glance), not to --ar or --mode chain")
+    sources = None
+    if args.draft_sources is not None:
+        from .round import check_draft_sources
+
+        if args.ar or args.mode != "glance":
+            raise CLIError("--draft-sources applies to GLANCE tree decoding (--mode glance), not to --ar or --mode "
+                           "chain")
+        try:
+            sources = check_draft_sources([n.strip() for n in args.draft_sources.split(",") if n.strip()])
+        except ValueError as exc:
+            raise CLIError(f"--draft-sources {args.draft_sources!r}: {exc}") from None
     drafter = None if args.ar and drafter is None else drafter
-    planner = {"planner": args.planner} if args.planner is not None and drafter is not None else {}
-    engine = GlanceEngine.load(model, drafter, **planner)
+    planner: dict[str, Any] = {"planner": args.planner} if args.planner is not None and drafter is not None else {}
+    if sources is not None:
+        planner["draft_sources"] = sources
+    try:
+        engine = GlanceEngine.load(model, drafter, **planner)
+    except ValueError as exc:  # e.g. the n-gram source is unavailable here
+        raise CLIError(f"--draft-sources {args.draft_sources}: {exc}") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             stop=args.stop or [], seed=args.seed)
     try:
@@ -172,6 +191,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--planner", choices=["auto", "fixed"], default=None,
                      help="GLANCE tree size per round: auto (cost-aware, may skip drafting; the engine's default) "
                      "or fixed (the drafter's budget tree every round, the ablation)")
+    gen.add_argument("--draft-sources", metavar="SOURCES", default=None,
+                     help="candidate sources of the verify tree, comma-separated: drafter (default), ngram (n-gram "
+                     "matches over the prompt and the output, no drafter pass) or drafter,ngram (one merged tree)")
     gen.add_argument("--ar", action="store_true", help="plain autoregressive decoding (the baseline)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, metrics")
     gen.set_defaults(func=cmd_generate)

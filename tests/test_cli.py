@@ -71,6 +71,8 @@ def test_generate_errors_name_the_problem(saved, args, message):
     (["--planner", "fastest"], "invalid choice: 'fastest'"),
     (["--planner", "fixed", "--ar"], "--planner applies to GLANCE tree decoding"),
     (["--planner", "auto", "--mode", "chain"], "--planner applies to GLANCE tree decoding"),
+    (["--draft-sources", "drafter,beam"], "--draft-sources 'drafter,beam': draft sources must be"),
+    (["--draft-sources", "ngram", "--ar"], "--draft-sources applies to GLANCE tree decoding"),
 ])
 def test_generate_planner_errors(saved, args, message, capsys):
     """Refused before any model loads (in process: the checks come first)."""
@@ -80,6 +82,23 @@ def test_generate_planner_errors(saved, args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["generate", "--model", model, "--drafter", drafter, "--prompt", "hi", *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_draft_sources(saved):
+    from glance_sgl.ngram_source import ngram_corpus_class
+
+    if ngram_corpus_class()[0] is None:
+        pytest.skip(str(ngram_corpus_class()[1]))
+    model, drafter, image = saved
+    proc = run_glance("generate", "--model", model, "--drafter", drafter, "--image", image, "--prompt", "hi",
+                      "--max-tokens", "8", "--planner", "fixed", "--draft-sources", "ngram,drafter")
+    assert proc.returncode == 0, proc.stderr
+    assert "draft sources drafter,ngram; accepted tokens per source: drafter " in proc.stderr
+    out = json.loads(run_glance("generate", "--model", model, "--drafter", drafter, "--image", image, "--prompt",
+                                "hi", "--max-tokens", "8", "--draft-sources", "ngram", "--json").stdout)
+    m = out["metrics"]
+    assert m["draft_sources"] == ["ngram"] and m["sources"]["drafter"] == {"rounds": 0, "accepted_tokens": 0}
+    assert sum(v["accepted_tokens"] for v in m["sources"].values()) == m["accepted_tokens"]
 
 
 def test_generate_rejects_a_non_image(saved, tmp_path):
