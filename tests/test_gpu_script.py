@@ -23,11 +23,57 @@ def test_gpu_script_skips_cleanly_without_cuda(tmp_path):
     assert "GPU check skipped: no CUDA device" in proc.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "skipped" and "torch.cuda.is_available() is False" in report["reason"]
-    names = [s["name"] for s in report["would_run"]]
-    assert names == ["env", "gpu-tests", "scale-timing", "bench"]
+    steps = {s["name"]: s for s in report["would_run"]}
+    assert list(steps) == ["env", "gpu-tests", "bench", "overlap-off", "never-hurts", "host-reads", "scale-timing"]
     assert sum(s["limit_s"] for s in report["would_run"]) <= 480  # under 8 minutes
-    assert "--device cuda" in report["would_run"][3]["cmd"] and "none,ngram,glance" in report["would_run"][3]["cmd"]
-    assert (out / "summary.txt").read_text().startswith("GPU check skipped")
+    bench = {name: steps[name]["cmd"] for name in ("bench", "overlap-off", "never-hurts", "host-reads")}
+    assert all("glance_sgl.sglang.bench --device cuda" in cmd and "--json" in cmd and "--log-dir" in cmd
+               for cmd in bench.values())
+    assert "--methods none,ngram,dflash,glance " in bench["bench"] and "--concurrency 1,8,32" in bench["bench"]
+    assert "--overlap on" in bench["bench"]  # every speculative engine under the overlap scheduler
+    assert "--methods glance " in bench["overlap-off"] and "--overlap off" in bench["overlap-off"]
+    assert "--methods none,glance-off " in bench["never-hurts"] and "--overlap" not in bench["never-hurts"]
+    assert "--count-host-reads" in bench["host-reads"] and "glance-off" in bench["host-reads"]
+    summary = (out / "summary.txt").read_text()
+    assert summary.startswith("GPU check skipped")
+    assert all(f"  {name} (<= " in summary for name in steps)
+
+
+def test_gpu_summary_reads_each_bench_line_on_its_own():
+    """The summary of the bench lines from their JSON: one line's failure (or missing JSON) hides no other."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "tests/gpu/run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+
+    def row(method, tps, tau=1.0, **kw):
+        return {"method": method, "scenarios": {"demo c=1": {"tokens_per_s": tps, "tau": tau, "identical": [4, 4]}},
+                **kw}
+
+    results = {
+        "bench": {"overlap": "on", "methods": [
+            row("none", 100.0), row("ngram", 120.0, 1.5),
+            {"method": "dflash", "error": "ValueError: no capture", "scenarios": {}},
+            row("glance", 150.0, 3.0, error="--overlap on, but the engine ran without the overlap scheduler: x")],
+            "dflash_preflight": ["SGLang's Qwen2_5_VLForConditionalGeneration defines no set_dflash_layers_to_capture"]},
+        "overlap-off": {"overlap": "off", "methods": [row("glance", 140.0, 3.0)]},
+        "never-hurts": None,
+        "host-reads": {"overlap": None, "methods": [
+            {"method": "glance", "scenarios": {}, "host_reads": {"steps": 9, "max": 7, "mean": 5.5,
+                                                                  "by_kind": {"bs=1 tree": {"steps": 9, "max": 7,
+                                                                                            "mean": 5.5}}}},
+            {"method": "glance-off", "scenarios": {}}]},
+    }
+    text = "\n".join(run.bench_lines(results))
+    assert "demo c=1: none 100 tok/s (tau 1.00, same 4/4); ngram 120 tok/s = 1.20x none" in text
+    assert "dflash: FAILED: ValueError: no capture" in text and "dflash preflight:" in text
+    assert "glance 150 tok/s = 1.50x none (tau 3.00, same 4/4) [failed, see below]" in text
+    assert "glance: FAILED: --overlap on" in text
+    assert "GLANCE overlap off 140 tok/s; overlap on failed (bench)" in text
+    assert "--- never-hurts: no results" in text
+    assert "glance: max 7, mean 5.50 per step over 9 steps; bs=1 tree max 7 mean 5.50" in text
+    assert "glance-off: no host-read lines in its log" in text
 
 
 def test_scale_timing_tiny_on_cpu(tmp_path):
