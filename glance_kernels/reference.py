@@ -59,6 +59,9 @@ def tree_meta(parents: torch.Tensor, prefix_lens: torch.Tensor | None = None, po
 # ---------------------------------------------------------------------------------------------- masks
 
 
+SMALL_BATCH = 4  # up to this many requests, full_mask is built per request
+
+
 def mask_indptr(num_rows: int, prefix_lens: Sequence[int]) -> list[int]:
     """Offsets of each request's segment in the flat FULL mask (bits): request b spans
     ``num_rows * (prefix_b + num_rows)`` bits."""
@@ -98,6 +101,10 @@ def _segments(num_rows: int, prefix_lens: Sequence[int], device: torch.device):
 def full_mask(tree_mask: torch.Tensor, prefix_lens: Sequence[int]) -> torch.Tensor:
     """SGLang's flat bool FULL mask for TARGET_VERIFY: per request ``N x (prefix + N)`` (the prefix all True,
     then the tree mask), row-major, concatenated over requests. ``tree_mask`` bool [bs, N, N] -> [sum]."""
+    if 0 < len(prefix_lens) <= SMALL_BATCH:  # a few requests: two ops each beat the flat gathers' dozen
+        n = tree_mask.shape[1]
+        return torch.cat([torch.cat([tree_mask.new_ones(n, int(p), dtype=torch.bool), tree_mask[b].bool()], 1)
+                          .reshape(-1) for b, p in enumerate(prefix_lens)])
     b, local, prefix = _segments(tree_mask.shape[1], prefix_lens, tree_mask.device)
     return _full_bits(tree_mask.bool(), prefix, b, local)
 

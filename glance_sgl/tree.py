@@ -435,24 +435,30 @@ class SourceAcceptance:
         return self.probs(source).log().tolist()
 
     def observe(self, tree: DraftTree, accepted_rows: torch.Tensor) -> None:
-        """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding)."""
-        tags = tree.source_tags().cpu()
-        parents, depths = tree.parents.cpu(), tree.depths.cpu()
-        bs, r = parents.shape
-        rows = accepted_rows.cpu()
-        on_path = torch.zeros(bs, r + 1, dtype=torch.bool)
-        on_path.scatter_(1, torch.where(rows >= 0, rows, r), True)
-        on_path = on_path[:, :r]
-        reached = on_path.gather(1, parents.clamp(min=0)) & (parents >= 0)
-        earlier = torch.ones(r, r, dtype=torch.bool).tril(-1)  # [i, j]: j < i
-        same_parent = (parents[:, :, None] == parents[:, None, :]) & earlier
-        cell = depths.clamp(max=self.max_depth) * self.ranks
+        """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding).
+
+        Host lists: a round's tree is a few dozen rows, where a loop over them costs less than the dozen tensor
+        ops a vectorised count would."""
+        tags, parents = tree.source_tags().tolist(), tree.parents.tolist()
+        depths, accepted = tree.depths.tolist(), accepted_rows.tolist()
+        n, ranks, top = (self.max_depth + 1) * self.ranks, self.ranks, self.max_depth
+        tries = {src: [0.0] * n for src in self.hits}
+        hits = {src: [0.0] * n for src in self.hits}
+        for tag_b, par_b, dep_b, acc_b in zip(tags, parents, depths, accepted):
+            on_path = {r for r in acc_b if r >= 0}
+            seen: dict[tuple[int, int], int] = {}  # (parent row, source): earlier siblings of that source
+            for i in range(1, len(par_b)):
+                p, tag = par_b[i], tag_b[i]
+                for src in tries:
+                    if not tag & src:
+                        continue
+                    rank = seen.get((p, src), 0)
+                    seen[(p, src)] = rank + 1
+                    if p >= 0 and p in on_path:
+                        cell = min(dep_b[i], top) * ranks + min(rank, ranks - 1)
+                        tries[src][cell] += 1.0
+                        if i in on_path:
+                            hits[src][cell] += 1.0
         for src in self.hits:
-            has = (tags & src) != 0
-            rank = (same_parent & has[:, None, :]).sum(-1).clamp(max=self.ranks - 1)
-            tried = has & reached
-            idx = (cell + rank)[tried]
-            n = (self.max_depth + 1) * self.ranks
-            self.tries[src].mul_(self.decay).view(-1).add_(torch.bincount(idx, minlength=n).double())
-            self.hits[src].mul_(self.decay).view(-1).add_(
-                torch.bincount((cell + rank)[tried & on_path], minlength=n).double())
+            self.tries[src].mul_(self.decay).view(-1).add_(torch.tensor(tries[src], dtype=torch.float64))
+            self.hits[src].mul_(self.decay).view(-1).add_(torch.tensor(hits[src], dtype=torch.float64))

@@ -250,18 +250,10 @@ def _make_backend_class():
             n = int(spec.draft_token_num)
             k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
             v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-            req_to_token = self.req_to_token_pool.req_to_token
             hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
             q_ = q.view(-1, hq, d)
             out = q.new_empty((q_.shape[0], hq * dv))
-            lens = forward_batch.seq_lens.tolist()
-            mask_flat = spec.custom_mask
-            off = 0
-            for b, pre in enumerate(lens):
-                total = pre + n
-                seg = mask_flat[off: off + n * total].view(n, total).bool()
-                off += n * total
-                slots = req_to_token[forward_batch.req_pool_indices[b], :total].long()
+            for b, (seg, slots) in enumerate(self._verify_layout(forward_batch, n)):
                 kk = k_buf[slots].transpose(0, 1)  # [hk, T, d]
                 vv = v_buf[slots].transpose(0, 1)
                 qq = q_[b * n:(b + 1) * n].transpose(0, 1)  # [hq, n, d]
@@ -270,6 +262,22 @@ def _make_backend_class():
                     attn_mask=seg[None, None], scale=layer.scaling, enable_gqa=hq != kk.shape[0])
                 out[b * n:(b + 1) * n] = o[0].transpose(0, 1).reshape(n, hq * dv)
             return out
+
+        def _verify_layout(self, forward_batch, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            """Per request: its mask rows [n, prefix + n] (bool, from the flat FULL mask) and its K/V slots
+            [prefix + n]. The same for every layer of a pass: computed at the first layer, kept on the pass's
+            ``ForwardBatch`` (a new pass has a new one)."""
+            spec = forward_batch.spec_info
+            layout = getattr(forward_batch, "_glance_cpu_layout", None)
+            if layout is None:
+                req_to_token = self.req_to_token_pool.req_to_token
+                mask_flat, off, layout = spec.custom_mask.bool(), 0, []
+                for pre, row in zip(forward_batch.seq_lens.tolist(), forward_batch.req_pool_indices.tolist()):
+                    total = pre + n
+                    layout.append((mask_flat[off: off + n * total].view(n, total), req_to_token[row, :total].long()))
+                    off += n * total
+                forward_batch._glance_cpu_layout = layout
+            return layout
 
     return GlanceCPUAttnBackend
 

@@ -641,8 +641,12 @@ class SGLangRows:
         return PassOutput(logits, taps, result)
 
     def keep(self, tree: DraftTree, walk: WalkResult) -> None:
-        """The accepted rows' K/V to the front of each verify window (root first)."""
+        """The accepted rows' K/V to the front of each verify window (root first); nothing to move where every
+        accepted row already sits at its depth (a host step checks: its walk is host data)."""
         w = self.worker
+        if not w.device_step and all(r == j for rows in walk.accepted_rows.tolist() for j, r in enumerate(rows)
+                                     if r >= 0):
+            return
         kv = w.token_to_kv_pool_allocator.get_kvcache()
         glance_kernels.compact_kv(list(kv.k_buffer) + list(kv.v_buffer),
                                   w.req_to_token_pool.req_to_token[self.batch.req_pool_indices.long()], 1,

@@ -35,3 +35,16 @@ def test_empty_batch() -> None:
     lens = torch.zeros(0, dtype=torch.long, device=DEVICE)
     ref, tri = both(gk.full_mask, tree, lens, [])
     assert ref.numel() == 0 and tri.numel() == 0
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_full_mask_small_and_large_batches_agree(n: int) -> None:
+    """Up to ``SMALL_BATCH`` requests the reference builds the mask per request, beyond it with flat gathers:
+    the same layout either way."""
+    from glance_kernels import reference
+
+    pre = [0, 5, 17, 2, 9, 31][: reference.SMALL_BATCH + 2]
+    tree = _tree_mask("random", n, len(pre), 3 + n)
+    large = reference.full_mask(tree, pre)
+    small = torch.cat([reference.full_mask(tree[b:b + 1], [p]) for b, p in enumerate(pre)])
+    assert torch.equal(large.cpu(), small.cpu())
