@@ -576,9 +576,10 @@ class Planner:
         """False for mode "off": no candidate source proposes, every round is a plain AR step."""
         return self.mode != "off"
 
-    def gate(self, rids: Sequence[object]) -> bool:
+    def gate(self, rids: Sequence[object], alternative: "Plan | None" = None) -> bool:
         """Whether this batch runs the drafter, from each request's lead entropy and record. Cheap: no tensor
-        work. Counts a probe as drafting."""
+        work. Counts a probe as drafting. ``alternative``: the round without the drafter that the other sources'
+        candidates allow (:meth:`choose` with ``drafter_ran=False``); None: an AR step."""
         if self.mode == "fixed":
             return True
         if self.mode == "off":
@@ -592,17 +593,24 @@ class Planner:
             return True
         if all(st.drafting_off for st in states):
             return False
-        return self._pays(rids, [self.leads.get(r) for r in rids], states)
+        return self._pays(rids, [self.leads.get(r) for r in rids], states, alternative)
 
     def _pays(self, rids: Sequence[object], lead_entropies: Sequence[float | None],
-              states: Sequence[RequestPlanState]) -> bool:
-        """Whether the batch's expected tokens per ms of a drafting round beat an AR step's by ``margin``: at
-        the tree size the batch last chose (whose rounds the acceptance record comes from), or the fixed budget."""
+              states: Sequence[RequestPlanState], alternative: "Plan | None" = None) -> bool:
+        """Whether the batch's expected tokens per ms of a drafting round beat the round without the drafter
+        (``alternative``, else an AR step) by ``margin``: at the tree size the batch last chose (whose rounds the
+        acceptance record comes from), or the fixed budget. A drafting round also verifies the alternative's
+        candidates, so each request expects at least what the alternative gives it."""
         bs = len(rids)
-        expected = sum(1.0 + self.predicted_accept(r, h) for r, h in zip(rids, lead_entropies))
+        other = alternative.expected_tokens if alternative is not None and alternative.nodes > 0 else [1.0] * bs
+        expected = sum(max(1.0 + self.predicted_accept(r, h), o) for r, h, o in zip(rids, lead_entropies, other))
         last = max((st.last_nodes for st in states), default=-1)
         ref = self.fixed_nodes if last <= 0 else min(last, self.fixed_nodes)
-        return expected / self.costs.round_ms(ref, bs) > self.margin * bs / self.costs.ar_ms(bs)
+        if alternative is not None and alternative.nodes > 0:
+            rate = sum(other) / (self.costs.verify_ms(alternative.nodes + 1, bs) + self.costs.overhead_ms)
+        else:
+            rate = bs / self.costs.ar_ms(bs)
+        return expected / self.costs.round_ms(ref, bs) > self.margin * rate
 
     def skip(self, rids: Sequence[object]) -> Plan:
         """Record a round without drafting (an AR step for every request of the batch). A request that was
@@ -737,7 +745,7 @@ class AlwaysDraft:
     def __init__(self, max_nodes: int) -> None:
         self.max_nodes = max_nodes
 
-    def gate(self, rids: Sequence[object]) -> bool:
+    def gate(self, rids: Sequence[object], alternative: Plan | None = None) -> bool:
         return True
 
     def skip(self, rids: Sequence[object]) -> Plan:
@@ -773,7 +781,7 @@ class RandomPlanner(Planner):
         super().__init__(*args, **kwargs)
         self.rng = random.Random(seed)
 
-    def gate(self, rids) -> bool:
+    def gate(self, rids, alternative: Plan | None = None) -> bool:
         return self.rng.random() < 2 / 3
 
     def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,

@@ -2,8 +2,8 @@
 
 It reads top to bottom like gpt-fast's ``speculative_decode``::
 
-    gate -> propose candidates -> choose rows -> build the verify tree -> target pass -> walk -> keep KV
-         -> feed the sources -> observe
+    cheap candidates -> gate -> drafter candidates -> choose rows -> build the verify tree -> target pass
+         -> walk -> keep KV -> feed the sources -> observe
 
 Torch and the planner only: no Hugging Face or SGLang types. What differs between the engines comes in through
 small adapters:
@@ -13,10 +13,11 @@ small adapters:
 - :class:`CandidateSource`: proposes a candidate tree and is fed what each round committed, whether it ran or
   not (the block drafter over its context store: ``glance_sgl.drafter.CachedDrafter`` in the embedded engine,
   the draft KV pool in the worker; n-gram matches: ``glance_sgl.ngram_source.NgramCandidates``). ``source_id``
-  is the source's tag (``glance_sgl.tree.SOURCE_*``). The planner's gate decides whether the drafter
-  (``SOURCE_DRAFTER``, a model pass) runs; sources without a model pass propose every round, and the trees of
-  several sources are merged under one row budget (``glance_sgl.tree.merge_trees``). So a round is, per the gate
-  and the configured sources: no draft (a plain AR step), n-gram candidates only, the drafter only, or merged;
+  is the source's tag (``glance_sgl.tree.SOURCE_*``). Sources without a model pass (n-gram matches) propose
+  first, and the planner plans the best round they allow; its gate then decides whether the drafter
+  (``SOURCE_DRAFTER``, a model pass) pays over that round; the trees of several sources are merged under one
+  row budget (``glance_sgl.tree.merge_trees``). So a round is, per the gate, the candidates and the configured
+  sources: no draft (a plain AR step), n-gram candidates only, the drafter only, or merged;
 - the policy (:class:`glance_sgl.planner.Planner`, or ``AlwaysDraft`` for an ablation): ``gate``, ``skip``,
   ``choose`` and one ``report`` per round; it owns every per-request statistic, the lead entropy included.
 
@@ -119,7 +120,7 @@ class RoundPolicy(Protocol):
     max_nodes: int
     speculates: bool  # False: no source proposes (every round a plain AR step)
 
-    def gate(self, rids: Sequence[Hashable]) -> bool: ...
+    def gate(self, rids: Sequence[Hashable], alternative: Plan | None = None) -> bool: ...
 
     def skip(self, rids: Sequence[Hashable]) -> Plan: ...
 
@@ -189,21 +190,29 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     the sources' time (gate included), the target pass's, and the rest (choice, walk, keep, feeding the sources).
     """
     t0 = time.perf_counter()
-    # 1. gate: does the drafter's pass pay for this batch now? (no tensor work; every rank takes rank 0's answer)
-    has_drafter = planner.speculates and any(s.source_id == SOURCE_DRAFTER for s in sources)
-    drafting = has_drafter and bool(target.agree(int(planner.gate(batch.rids))))
-    active = [s for s in sources if drafting or (planner.speculates and s.source_id != SOURCE_DRAFTER)]
-    plan = None if drafting else planner.skip(batch.rids)  # the drafter's record: a round without it
-    if active:
-        # 2. propose candidates at the largest tree, 3. choose how many rows of it to verify
-        candidates = propose(active, batch, planner.max_nodes + 1, max_depth)
+    drafters = [s for s in sources if s.source_id == SOURCE_DRAFTER] if planner.speculates else []
+    cheap = [s for s in sources if s.source_id != SOURCE_DRAFTER] if planner.speculates else []
+    rows = planner.max_nodes + 1
+    # 1. the sources without a model pass propose first (host lookups), and their best round is planned: the
+    #    round to beat
+    fallback = propose(cheap, batch, rows, max_depth) if cheap else None
+    alternative = None if fallback is None else planner.choose(batch.rids, fallback.scores, fallback.depths,
+                                                               fallback.sources, drafter_ran=False)
+    # 2. gate: does the drafter's pass pay for this batch now, over that round? (every rank takes rank 0's answer)
+    drafting = bool(drafters) and bool(target.agree(int(planner.gate(batch.rids, alternative))))
+    if drafting:
+        # 3. the drafter's candidates merged with the others, and how many rows of them to verify
+        trees = [d.propose(batch, rows) for d in drafters] + ([] if fallback is None else [fallback])
+        candidates = trees[0] if len(trees) == 1 else merge_trees(trees, rows, max_depth)
         t1 = time.perf_counter()
-        plan = planner.choose(batch.rids, candidates.scores, candidates.depths, candidates.sources, drafting)
-        # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs
-        tree = candidates.prefix(target.agree(target.width(plan.nodes + 1)))
-    else:  # a plain AR step: the root alone, no source runs
-        t1 = t0
-        tree = root_tree(batch.roots)
+        plan = planner.choose(batch.rids, candidates.scores, candidates.depths, candidates.sources, True)
+    else:
+        t1 = time.perf_counter()
+        skipped = planner.skip(batch.rids)  # the drafter's record: a round without it
+        candidates, plan = (None, skipped) if alternative is None else (fallback, alternative)
+    # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs (the root alone: an AR step)
+    active = candidates is not None
+    tree = candidates.prefix(target.agree(target.width(plan.nodes + 1))) if active else root_tree(batch.roots)
     t2 = time.perf_counter()
     # 5. one target pass over every request's tree
     out = target.forward(tree)
