@@ -84,7 +84,6 @@ def dflash_preflight(model: Path, drafter: Path) -> list[str]:
     """What SGLang 0.5.23's DFLASH will object to in this target / drafter pair, read from the config files and
     SGLang's source without starting it (empty: nothing found). Warnings, not a verdict: a plugin may patch the
     target class at run time."""
-    import importlib.util
 
     problems: list[str] = []
     d = json.loads((Path(drafter) / "config.json").read_text())
@@ -108,23 +107,6 @@ def dflash_preflight(model: Path, drafter: Path) -> list[str]:
                             "target's embedding and LM head)")
     if dc.get("mask_token_id", d.get("mask_token_id")) is None:
         problems.append("no dflash_config.mask_token_id: DFLASH then looks up or adds the token '<|MASK|>'")
-    spec = importlib.util.find_spec("sglang")
-    arch = (t.get("architectures") or ["?"])[0]
-    if spec and spec.submodule_search_locations:
-        models = Path(list(spec.submodule_search_locations)[0]) / "srt" / "models"
-        for f in sorted(models.glob("*.py")):
-            text = f.read_text(errors="replace")
-            m = re.search(rf"^class {re.escape(arch)}\b.*?(?=^class |\Z)", text, re.S | re.M)
-            if m:
-                if "def set_dflash_layers_to_capture" not in m.group(0) and \
-                        "def set_dspark_layers_to_capture" not in m.group(0):
-                    problems.append(
-                        f"SGLang's {arch} (sglang/srt/models/{f.name}) defines no set_dflash_layers_to_capture: "
-                        "unless a plugin adds it, DFLASH stops in configure_aux_hidden_state_capture "
-                        "(sglang/srt/model_executor/model_runner_components/attention_backend_setup.py) with "
-                        f"\"Model {arch} implements neither set_dspark_layers_to_capture nor "
-                        "set_dflash_layers_to_capture\"")
-                break
     return problems
 
 

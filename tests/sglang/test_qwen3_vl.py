@@ -128,3 +128,26 @@ def test_qwen3_vl_set_dflash_layers_to_capture_is_fixed():
     other.__dict__.update(pp_group=SimpleNamespace(is_last_rank=True), model=SimpleNamespace())
     other.set_eagle3_layers_to_capture([1, 3])
     assert other.model.layers_to_capture == [2, 4]
+
+
+def test_dflash_capture_on_qwen2_5_vl_goes_through_eagle3_setter():
+    """SGLang's Qwen2.5-VL has no DFLASH capture setter; after the plugin's hooks, the function SGLang's model
+    runner calls captures DFlash points id + 1 through its EAGLE3 setter (so SGLang's DFLASH can load our
+    drafters), and a model with neither still gets SGLang's own error."""
+    import pytest
+    from sglang.srt.model_executor import model_runner
+    from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    from glance_sgl.sglang.targets import register_target_hooks
+
+    register_target_hooks()
+    assert not hasattr(Qwen2_5_VLForConditionalGeneration, "set_dflash_layers_to_capture")
+    model = object.__new__(Qwen2_5_VLForConditionalGeneration)
+    torch.nn.Module.__init__(model)
+    model.__dict__.update(model=SimpleNamespace())
+    kwargs = dict(eagle_use_aux_hidden_state=False, eagle_aux_hidden_state_layer_ids=None,
+                  dflash_use_aux_hidden_state=True, dflash_target_layer_ids=[1, 3], is_dspark=False)
+    model_runner.configure_aux_hidden_state_capture(model=model, **kwargs)
+    assert model.capture_aux_hidden_states and model.model.layers_to_capture == [2, 4]
+    with pytest.raises(ValueError, match="set_dflash_layers_to_capture"):
+        model_runner.configure_aux_hidden_state_capture(model=torch.nn.Linear(1, 1), **kwargs)
