@@ -49,9 +49,7 @@ def build_verify_input(tree, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
     device = seq_lens.device
     bs, n = tree.tokens.shape
     parents = tree.parents.to(device)
-    # Triton on CUDA, torch reference elsewhere; the first-child / next-sibling links are read by NGRAM's own
-    # verify kernels only, never by an attention backend or GLANCE's walk: skipped where they cost extra ops
-    meta = glance_kernels.tree_meta(parents, seq_lens, pointers=False)
+    meta = glance_kernels.tree_meta(parents, seq_lens)  # Triton on CUDA, torch reference elsewhere
     custom_mask = glance_kernels.full_mask(meta.tree_mask, seq_lens, seq_lens_cpu)
     cols = seq_lens.long()[:, None] + torch.arange(n, device=device)[None, :]
     out_cache_loc = req_to_token[req_pool_indices.long()[:, None], cols].reshape(-1).to(torch.int64)
