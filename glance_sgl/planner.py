@@ -602,11 +602,12 @@ class Planner:
         acceptance record comes from), or the fixed budget. A drafting round also verifies the alternative's
         candidates, so each request expects at least what the alternative gives it."""
         bs = len(rids)
-        other = alternative.expected_tokens if alternative is not None and alternative.nodes > 0 else [1.0] * bs
+        tree_round = alternative is not None and alternative.nodes > 0
+        other = alternative.expected_tokens if tree_round else [1.0] * bs
         expected = sum(max(1.0 + self.predicted_accept(r, h), o) for r, h, o in zip(rids, lead_entropies, other))
         last = max((st.last_nodes for st in states), default=-1)
         ref = self.fixed_nodes if last <= 0 else min(last, self.fixed_nodes)
-        if alternative is not None and alternative.nodes > 0:
+        if tree_round:
             rate = sum(other) / (self.costs.verify_ms(alternative.nodes + 1, bs) + self.costs.overhead_ms)
         else:
             rate = bs / self.costs.ar_ms(bs)

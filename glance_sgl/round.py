@@ -176,9 +176,13 @@ def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int, ma
             ) -> DraftTree:
     """The candidates of every active source in one best-first tree of at most ``rows`` rows per request (several
     sources: merged by token path, ``glance_sgl.tree.merge_trees``, nodes no deeper than ``max_depth``)."""
-    if len(sources) == 1:
-        return sources[0].propose(batch, rows)
-    return merge_trees([s.propose(batch, rows) for s in sources], rows, max_depth)
+    return one_tree([s.propose(batch, rows) for s in sources], rows, max_depth)
+
+
+def one_tree(trees: Sequence[DraftTree], rows: int, max_depth: int | None = None) -> DraftTree:
+    """Several sources' candidate trees as one best-first tree of at most ``rows`` rows per request (one tree:
+    as it is)."""
+    return trees[0] if len(trees) == 1 else merge_trees(list(trees), rows, max_depth)
 
 
 def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence[CandidateSource],
@@ -203,7 +207,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     if drafting:
         # 3. the drafter's candidates merged with the others, and how many rows of them to verify
         trees = [d.propose(batch, rows) for d in drafters] + ([] if fallback is None else [fallback])
-        candidates = trees[0] if len(trees) == 1 else merge_trees(trees, rows, max_depth)
+        candidates = one_tree(trees, rows, max_depth)
         t1 = time.perf_counter()
         plan = planner.choose(batch.rids, candidates.scores, candidates.depths, candidates.sources, True)
     else:
@@ -258,4 +262,4 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
 
 __all__ = ["DRAFT_SOURCES", "check_draft_sources",
            "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
-           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose"]
+           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose", "one_tree"]
