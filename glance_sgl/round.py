@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
 
@@ -186,11 +186,13 @@ def one_tree(trees: Sequence[DraftTree], rows: int, max_depth: int | None = None
 
 
 def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence[CandidateSource],
-                      target: TargetRows, *, max_depth: int, device_resident: bool = False) -> RoundResult:
+                      target: TargetRows, *, max_depth: int, device_resident: bool = False,
+                      on_walk: Callable[[WalkResult], None] | None = None) -> RoundResult:
     """One speculative round over ``batch``; returns what it verified and committed.
 
     ``max_depth``: the deepest node any source proposes (the walk's cap); ``device_resident``: the walk stays on
-    the logits' device (``glance_sgl.verify.verify_tree``). Timings (wall ms) go to the planner in its report:
+    the logits' device (``glance_sgl.verify.verify_tree``); ``on_walk``: called with the walk as soon as it is
+    known, before the KV keep and the sources' writes (SGLang's overlap scheduler publishes the new lengths there). Timings (wall ms) go to the planner in its report:
     the sources' time (gate included), the target pass's, and the rest (choice, walk, keep, feeding the sources).
     """
     t0 = time.perf_counter()
@@ -224,6 +226,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     # 6. the walk: the target's own choices (greedy, or seeded sampling), lossless whatever the tree
     walk = verify_tree(tree.tokens, tree.parents, tree.depths, out.logits, batch.next_index, list(batch.specs),
                        max_depth=min(max_depth, tree.num_rows - 1), device_resident=device_resident)
+    if on_walk is not None:
+        on_walk(walk)
     # 7. keep the root's and the accepted rows' K/V, 8. feed every source what was committed
     if tree.num_rows > 1:
         target.keep(tree, walk)

@@ -14,7 +14,9 @@ chain verification, SGLang's implementation), with ``speculative_num_draft_token
 SGLang runs DFLASH on CUDA / NPU / XPU only (:data:`DFLASH_CPU_REASON`): on the CPU the method fails at once with
 that reason and the other methods still run. ``--overlap on`` / ``off`` starts the speculative engines (GLANCE,
 DFLASH, NGRAM) with SGLang's overlap scheduler on / off (``disable_overlap_schedule``; default: the engine's own
-choice, on the CPU off); an engine that refuses is reported as failed, the others still run.
+choice, on the CPU off); an engine that refuses is reported as failed, the others still run. A method name with
+``@overlap`` or ``@sync`` (``glance@overlap``, ``ngram@sync``) sets it for that method alone, so that both modes run
+side by side in one interleaved run.
 
 ``--step-stats`` (with ``--log-dir``) logs every GLANCE step (``GLANCE_SGL_PROFILE=1``, a small cost for the GLANCE
 methods alike) and adds the mean rows verified per request and step to the table (NGRAM verifies
@@ -60,6 +62,17 @@ METHODS = ("none", "ngram", "dflash", "glance", "glance-fixed", "glance-off", "g
 GLANCE_METHODS = ("glance", "glance-fixed", "glance-off", "glance+ngram")
 ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", **{m: "GLANCE" for m in GLANCE_METHODS}}
 PLANNERS = {"glance": "auto", "glance-fixed": "fixed", "glance-off": "off", "glance+ngram": "auto"}
+OVERLAP_SUFFIXES = {"overlap": "on", "sync": "off"}
+
+
+def method_parts(method: str) -> tuple[str, str | None]:
+    """``"glance+ngram@overlap"`` -> ``("glance+ngram", "on")``: the method and its own overlap setting ("on" /
+    "off", None: the run's ``--overlap``). ValueError on an unknown method or suffix."""
+    base, at, suffix = method.partition("@")
+    if base not in METHODS or (at and suffix not in OVERLAP_SUFFIXES):
+        raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}, optionally with "
+                         f"@{' or @'.join(OVERLAP_SUFFIXES)}")
+    return base, OVERLAP_SUFFIXES.get(suffix)
 
 # Why SGLang 0.5.23 cannot run DFLASH on a CPU: the first check its server arguments meet. On an in-tree platform
 # (the CPU is one) ``_handle_dflash`` accepts only devices starting with "cuda", "npu" or "xpu" and raises
@@ -114,7 +127,10 @@ def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_to
                   glance_tokens: int | None = None, cuda_graphs: bool = True, overlap: str | None = None
                   ) -> dict[str, Any]:
     """``sglang.Engine`` arguments of a method; ``overlap`` ("on" / "off" / None: the engine's default) sets
-    ``disable_overlap_schedule`` of the speculative engines (on the CPU it overrides the CPU mode's "off")."""
+    ``disable_overlap_schedule`` of the speculative engines (on the CPU it overrides the CPU mode's "off"); a
+    method's own ``@overlap`` / ``@sync`` wins."""
+    method, own = method_parts(method)
+    overlap = own or overlap
     algo = ALGORITHMS[method]
     if device == "cpu":
         kw = cpu_engine_kwargs(model, drafter, algorithm=algo)
@@ -136,13 +152,19 @@ def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_to
     return kw
 
 
-def engine_env(method: str, step_stats: bool = False, count_host_reads: bool = False) -> dict[str, str]:
+def engine_env(method: str, step_stats: bool = False, count_host_reads: bool = False, overlap: str | None = None
+               ) -> dict[str, str]:
     """The planner of a GLANCE method (``GLANCE_PLANNER``; see glance_sgl/sglang/planning.py), its candidate
     sources (``GLANCE_DRAFT_SOURCES``) and, with ``step_stats``, its per-step log (``GLANCE_SGL_PROFILE``), with
-    ``count_host_reads`` its host-read count per step (``GLANCE_SGL_COUNT_HOST_READS``)."""
+    ``count_host_reads`` its host-read count per step (``GLANCE_SGL_COUNT_HOST_READS``); with the overlap scheduler
+    asked for (``overlap`` or the method's ``@overlap``), ``GLANCE_SGL_CPU_OVERLAP=1`` (on a CPU GLANCE turns it
+    off otherwise)."""
+    method, own = method_parts(method)
     if method not in GLANCE_METHODS:
         return {}
     env = {"GLANCE_PLANNER": PLANNERS[method]}
+    if (own or overlap) == "on":
+        env["GLANCE_SGL_CPU_OVERLAP"] = "1"
     if method == "glance+ngram":
         env["GLANCE_DRAFT_SOURCES"] = "drafter,ngram"
     if step_stats:
@@ -154,7 +176,7 @@ def engine_env(method: str, step_stats: bool = False, count_host_reads: bool = F
 
 def method_unavailable(method: str, device: str) -> str | None:
     """Why ``method`` cannot run on ``device`` at all (None: try it)."""
-    if method == "dflash" and device == "cpu":
+    if method_parts(method)[0] == "dflash" and device == "cpu":
         return DFLASH_CPU_REASON
     return None
 
@@ -389,11 +411,11 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], extra: dict[st
                                             for k, v in r["scenarios"].items()}} for r in rows]}
 
 
-# Log lines that say a speculative engine runs without the overlap scheduler (SGLang's CPU rule, SGLang's
-# supports_overlap=False notice, the GLANCE plugin's own switch-off while it registers supports_overlap=False).
+# Log lines that say a speculative engine runs without the overlap scheduler (SGLang's CPU rule for its own
+# algorithms, SGLang's supports_overlap=False notice, GLANCE's CPU default).
 SYNC_MARKERS = ("Overlap schedule is not implemented for speculative decoding on CPU",
                 "registered with supports_overlap=False",
-                "GLANCE runs synchronously: overlap scheduling is turned off")
+                "GLANCE on CPU: overlap scheduling is off")
 
 
 def overlap_note(log: Path | None) -> str | None:
@@ -410,15 +432,16 @@ def _log_stats(args: argparse.Namespace, r: dict[str, Any], stats: bool) -> None
     """From the method's engine log (in place): rows verified per step, host reads per step, and whether a
     speculative engine ran with the overlap scheduler (``overlap_effective``; with ``--overlap on`` an engine
     that ran synchronously is marked failed, its measurements kept)."""
-    m = r["method"]
-    log = args.log_dir / f"{m}.log" if args.log_dir else None
+    log = args.log_dir / f"{r['method']}.log" if args.log_dir else None
+    m, own = method_parts(r["method"])
+    wanted = own or args.overlap
     if ALGORITHMS[m] is not None and not r.get("error"):
         note = overlap_note(log)
         if note is not None:
             r["overlap_effective"], r["overlap_note"] = False, note
-        elif args.overlap is not None and log is not None:
-            r["overlap_effective"] = args.overlap == "on"
-        if args.overlap == "on" and note is not None:
+        elif wanted is not None and log is not None:
+            r["overlap_effective"] = wanted == "on"
+        if wanted == "on" and note is not None:
             r["error"] = f"--overlap on, but the engine ran without the overlap scheduler: {note}"
     if stats:
         r["rows_per_step"] = (rows_per_step(log) if m in GLANCE_METHODS else
@@ -437,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32, help="demo evaluation prompts (round-robin over tasks)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--methods", default="none,ngram,glance,glance-fixed,glance+ngram",
-                   help=f"comma-separated subset of {','.join(METHODS)}")
+                   help=f"comma-separated subset of {','.join(METHODS)}, each optionally with @overlap or @sync")
     p.add_argument("--concurrency", default="1,4,16", help="demo requests in flight, comma-separated")
     p.add_argument("--wild", type=int, default=16, help="wild requests (noise / photo-like images; 0: none)")
     p.add_argument("--wild-concurrency", default="1,8", help="wild requests in flight, comma-separated")
@@ -461,8 +484,11 @@ def main(argv: list[str] | None = None) -> int:
                         "busy machine); default: one method after the other")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if bad := sorted(set(methods) - set(METHODS)):
-        p.error(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
+    for m in methods:
+        try:
+            method_parts(m)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.prompts < 1 or args.max_tokens < 1 or args.wild < 0:
         p.error("--prompts and --max-tokens must be >= 1, --wild >= 0")
     for path, what in ((args.model, "--model"), (args.drafter, "--drafter")):
@@ -489,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         scenarios.update({f"wild c={c}": (wild, c) for c in _levels(args.wild_concurrency, "--wild-concurrency", p)})
     kwargs = {m: engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
                                args.glance_draft_tokens, not args.disable_cuda_graph, args.overlap) for m in methods}
-    envs = {m: engine_env(m, stats, args.count_host_reads) for m in methods}
+    envs = {m: engine_env(m, stats, args.count_host_reads, args.overlap) for m in methods}
     unavailable = {m: why for m in methods if (why := method_unavailable(m, args.device))}
     for m, why in unavailable.items():
         print(f"[bench] {m} FAILED: {why}", file=sys.stderr, flush=True)

@@ -5,16 +5,22 @@ verify input has exactly the fields of SGLang's NGRAM verify input: the packed t
 (per request ``N x (prefix + N)``, row-major), positions ``prefix + depth`` (SGLang adds the M-RoPE delta of
 Qwen-VL targets from them), and the first-child / next-sibling links. Subclassing ``NgramVerifyInput`` keeps
 every attention backend that understands an NGRAM tree verify (FlashInfer's custom mask on GPU, the
-``glance_cpu`` backend here) working unchanged, and its ``filter_batch`` / ``merge_batch`` carry the draft
-input (accepted tokens and lengths) across SGLang's batch filtering and merging.
+``glance_cpu`` backend here) working unchanged.
+
+Between steps a request carries :class:`GlanceDraftInput`: its newest committed token (the root of its next
+tree, the ``bonus_tokens`` of SGLang's V2 relay). Synchronously the scheduler hands it to the next step as it is;
+under overlap scheduling it travels through SGLang's ``FutureMap`` (``stash`` of ``bonus_tokens`` by request
+pool slot, resolved into the next batch's ``spec_info.bonus_tokens``), as EAGLE's and DFLASH's do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 import glance_kernels
 
@@ -26,6 +32,40 @@ class GlanceVerifyInput(NgramVerifyInput):
         super().__init__(*args, **kwargs)
         self.depths = depths
         self.parents = parents
+
+
+@dataclass
+class GlanceDraftInput(SpecInput):
+    """What a request carries from one GLANCE step to the next: ``bonus_tokens`` [bs] long, its newest committed
+    token (the root of its next tree). The other fields are the ones SGLang's overlap relay reads of every V2 draft
+    input (``RelayPayload.from_draft_input``); GLANCE relays nothing else (its drafter's context lives in the draft
+    KV pool, indexed by SGLang's own token slots). ``future_indices``: set by the scheduler under overlap (the
+    requests' pool slots in the ``FutureMap``), after which filtering and merging follow them instead."""
+
+    bonus_tokens: torch.Tensor
+    topk_p: Optional[torch.Tensor] = None
+    topk_index: Optional[torch.Tensor] = None
+    hidden_states: Optional[torch.Tensor] = None
+    future_indices: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        # carried between rounds, never the input of a forward (the worker builds each step's own)
+        super().__init__(spec_input_type=SpecInputType.DFLASH_DRAFT)
+        self.num_tokens_per_req = 1
+        self.num_tokens_for_logprob_per_req = 1
+
+    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Optional[list[int]] = None) -> None:
+        if self.future_indices is not None:
+            self.future_indices = self.future_indices[new_indices]
+            return
+        self.bonus_tokens = self.bonus_tokens[new_indices]
+
+    def merge_batch(self, spec_info: "GlanceDraftInput") -> None:
+        if self.future_indices is not None:
+            assert spec_info.future_indices is not None
+            self.future_indices = torch.cat([self.future_indices, spec_info.future_indices])
+            return
+        self.bonus_tokens = torch.cat([self.bonus_tokens, spec_info.bonus_tokens])
 
 
 @dataclass

@@ -58,7 +58,7 @@ from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
 from .draft_graph import DraftPassRunner, draft_pass
 from .draft_pool import DraftKVPool, committed_slots
 from .drafter_model import GlanceDrafterForSGLang
-from .glance_info import GlanceVerifyInput, build_verify_input
+from .glance_info import GlanceDraftInput, build_verify_input
 from .graphs import VerifyGraphs, graph_widths
 from .planning import BatchCostModel, load_batch_costs, make_planner
 from .settings import WorkerSettings
@@ -266,8 +266,11 @@ class GlanceWorker(BaseSpecWorker):
         return len(self.planner.known())
 
     # ------------------------------------------------------------------ the step
-    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None
-                                 ) -> GenerationBatchResult:
+    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None,
+                                 pp_proxy_tensors=None) -> GenerationBatchResult:
+        """SGLang's V2 worker step. ``on_publish(new_seq_lens)``: under overlap scheduling, called as soon as the
+        step's committed lengths are known (after the walk); ``grammar_barrier``: unused (GLANCE does not
+        advance grammars inside the step: ``supports_grammar_overlap`` is False, so SGLang syncs them first)."""
         if batch.forward_mode.is_decode():
             self._purge({req.rid for req in batch.reqs})  # not on a prefill: it holds the new requests only
             return self._decode(batch, on_publish, pp_proxy_tensors)
@@ -291,27 +294,24 @@ class GlanceWorker(BaseSpecWorker):
                     self.planner.begin(req.rid, h)
             predict = self._first_tokens(batch, logits_output, predict)
         new_seq_lens = batch.seq_lens.clone()
-        accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
-        if predict is not None and bs > 0:
-            accept_tokens[:, 0] = predict
-        return self._result(result, logits_output, predict, accept_tokens.flatten(), accept_lens, new_seq_lens,
-                            on_publish)
-
-    def _result(self, result, logits_output, next_token_ids, accept_tokens, accept_lens, new_seq_lens, on_publish
-                ) -> GenerationBatchResult:
-        """The step's result; the draft input it carries (accepted tokens, lengths) follows SGLang's batch
-        filtering and merging, like NGRAM's."""
+        bonus = (torch.zeros(bs, dtype=torch.long, device=self.device) if predict is None or bs == 0
+                 else predict.long())
         if on_publish is not None:
             on_publish(new_seq_lens)
+        return self._result(result, logits_output, predict, accept_lens, new_seq_lens, bonus)
+
+    def _result(self, result, logits_output, next_token_ids, accept_lens, new_seq_lens, bonus
+                ) -> GenerationBatchResult:
+        """The step's result. The draft input it carries to the next step is each request's newest committed token
+        (``bonus`` [bs]): kept on the batch synchronously, relayed through SGLang's ``FutureMap`` under overlap."""
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=next_token_ids,
             can_run_cuda_graph=result.can_run_cuda_graph,
             accept_lens=accept_lens,
             new_seq_lens=new_seq_lens,
-            next_draft_input=GlanceVerifyInput(draft_token_num=self.draft_token_num, new_seq_lens=new_seq_lens,
-                                               accept_tokens=accept_tokens, accept_lens=accept_lens),
+            next_draft_input=GlanceDraftInput(bonus_tokens=bonus),
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
         )
 
@@ -367,9 +367,19 @@ class GlanceWorker(BaseSpecWorker):
         return int(get_tp_group().broadcast_object(int(value), src=0))
 
     def _roots(self, batch: ScheduleBatch) -> torch.Tensor:
-        """[bs] long: each request's newest committed token (the root of its tree)."""
-        return torch.tensor([req.output_ids[-1] if len(req.output_ids) else req.origin_input_ids[-1]
-                             for req in batch.reqs], dtype=torch.long, device=self.device)
+        """[bs] long: each request's newest committed token (the root of its tree), as the previous step left it
+        in the batch's draft input (under overlap scheduling ``req.output_ids`` lags a step behind)."""
+        info = batch.spec_info
+        if not isinstance(info, GlanceDraftInput) or info.bonus_tokens is None:
+            raise RuntimeError(f"GLANCE decode batch without its draft input (got {type(info).__name__})")
+        return info.bonus_tokens.to(self.device, torch.long)
+
+    def _next_index(self, batch: ScheduleBatch) -> torch.Tensor:
+        """[bs] long: each request's output index of the token after its root (the sampling noise's counter):
+        the committed output tokens, ``seq_lens - prompt + 1`` (the root's K/V is not in the cache yet). From the
+        lengths, not ``req.output_ids``, which lags a step behind under overlap scheduling."""
+        prompt = torch.tensor([len(req.origin_input_ids) for req in batch.reqs], dtype=torch.long)
+        return batch.seq_lens.long() - prompt.to(self.device, non_blocking=True) + 1
 
     def draft_trees(self, batch: ScheduleBatch, seq_lens_cpu: list[int], roots: torch.Tensor) -> DraftTree:
         """One drafter pass for every request's block over its context in the draft KV pool, and the best-first
@@ -472,14 +482,15 @@ class GlanceWorker(BaseSpecWorker):
         seq_lens_cpu = [int(x) for x in (batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None
                                          else seq_lens.tolist())]
         roots = self._roots(batch)
-        rounds = RoundBatch(rids, roots, torch.tensor([len(req.output_ids) for req in batch.reqs], device=self.device),
-                            [sampling_spec(req) for req in batch.reqs],
-                            None if self.ngram is None else _RequestTokens(batch.reqs, self._vocab))
+        next_index = self._next_index(batch)
+        tokens = None if self.ngram is None else _RequestTokens(batch.reqs, self._vocab, roots.tolist(),
+                                                                 next_index.tolist())
+        rounds = RoundBatch(rids, roots, next_index, [sampling_spec(req) for req in batch.reqs], tokens)
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
         source = PoolDrafter(self, batch, seq_lens_cpu)
         sources = [source] if "drafter" in self.draft_sources else []
         if self.ngram is not None:
-            self._start_ngram(batch)
+            self._start_ngram(batch, tokens)
             sources.append(self.ngram)
         if self._maybe_calibrate(batch, rounds, target, sources):
             self._calibrated_now = True
@@ -489,8 +500,11 @@ class GlanceWorker(BaseSpecWorker):
             gap_ms = 1000 * (time.perf_counter() - self._last_round_end)
             self.planner.costs.observe_gap(bs, gap_ms)
 
+        def publish(walk: WalkResult) -> None:  # before the KV keep and the drafter's writes (SGLang's V2 order)
+            on_publish(seq_lens + walk.accept_lens.to(self.device) + 1)
+
         r = speculative_round(rounds, self.planner, sources, target, max_depth=self.max_depth,
-                              device_resident=self.device_step)
+                              device_resident=self.device_step, on_walk=None if on_publish is None else publish)
         self._last_round_end = r.ended
         self._log_step(r, gap_ms)
 
@@ -499,22 +513,23 @@ class GlanceWorker(BaseSpecWorker):
         width = min(walk.committed_tokens.shape[1], self.draft_token_num)
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
         accept_tokens[:, :width] = walk.committed_tokens[:, :width].clamp(min=0).to(self.device, torch.int32)
+        bonus = accept_tokens.gather(1, (accept_lens.long() - 1)[:, None]).squeeze(1).long()
         result = r.out.handle
         if batch.return_logprob:
             self._spec_logprobs(batch, result.logits_output, walk.accepted_rows, accept_tokens, r.tree.num_rows)
-        accept_tokens = accept_tokens.flatten()
         batch.forward_mode = ForwardMode.DECODE
-        return self._result(result, result.logits_output, accept_tokens, accept_tokens, accept_lens,
-                            seq_lens + accept_lens, on_publish)
+        tokens = accept_tokens.flatten()
+        return self._result(result, result.logits_output, tokens, accept_lens, seq_lens + accept_lens, bonus)
 
-    def _start_ngram(self, batch: ScheduleBatch) -> None:
-        """Requests the n-gram source has not seen yet (their first decode step): their prompt token ids and the
-        output committed so far (the prefill's first token). The round's adapter feeds every later step's."""
+    def _start_ngram(self, batch: ScheduleBatch, tokens: "_RequestTokens") -> None:
+        """Requests the n-gram source has not seen yet (their first decode step, or the first after a
+        retraction): their prompt token ids and the output committed so far. The round's adapter feeds every
+        later step's."""
         source = self.ngram.source
-        for req in batch.reqs:
+        for b, req in enumerate(batch.reqs):
             if req.rid not in source:
                 source.add_request(req.rid, _in_vocab(req.origin_input_ids, self._vocab))
-                source.commit(req.rid, req.output_ids)
+                source.commit(req.rid, tokens.output(b))
 
     def _log_step(self, r: RoundResult, gap_ms: float | None) -> None:
         """Step statistics; with ``GLANCE_SGL_PROFILE=1`` each step's parts logged."""
@@ -608,18 +623,22 @@ def _in_vocab(ids, vocab: int) -> list[int]:
 
 
 class _RequestTokens:
-    """``RoundBatch.tokens`` of a decode batch, read lazily: request b's prompt + output token ids (the n-gram
-    adapter reads them only for a request it must re-add)."""
+    """``RoundBatch.tokens`` of a decode batch, read lazily: request b's prompt + committed output token ids (the
+    n-gram adapter reads them only for a request it must re-add). The committed output is ``committed[b]`` tokens
+    ending in the root ``roots[b]``: SGLang's ``req.output_ids`` less its newest tokens (it lags a step behind under
+    overlap scheduling), then the root."""
 
-    def __init__(self, reqs, vocab: int) -> None:
-        self.reqs, self.vocab = reqs, vocab
+    def __init__(self, reqs, vocab: int, roots: list[int], committed: list[int]) -> None:
+        self.reqs, self.vocab, self.roots, self.committed = reqs, vocab, roots, committed
 
     def __len__(self) -> int:
         return len(self.reqs)
 
+    def output(self, b: int) -> list[int]:
+        return list(self.reqs[b].output_ids[:max(self.committed[b] - 1, 0)]) + [self.roots[b]]
+
     def __getitem__(self, b: int) -> list[int]:
-        req = self.reqs[b]
-        return _in_vocab(req.origin_input_ids, self.vocab) + list(req.output_ids)
+        return _in_vocab(self.reqs[b].origin_input_ids, self.vocab) + self.output(b)
 
 
 class SGLangRows:

@@ -36,9 +36,11 @@ The radix cache stays on: the drafter's context K/V live in a draft KV pool addr
 (``draft_pool.py``), so a prefix hit shares them with the target's K/V; that pool's bytes per token are budgeted
 with the target's (a HookRegistry hook on SGLang's pool sizing). CUDA graphs stay on where the user has them on:
 the verify pass is captured by SGLang's own graph runner at a few widths and the drafter pass by the worker
-(``graphs.py``, ``draft_graph.py``; ``GLANCE_CUDA_GRAPH_WIDTHS`` lists the widths). Forced: no mixed chunked
-prefill, no overlap scheduling (the planner shapes each step from the previous step's results, on the host), and
-on a CPU device no graph capture.
+(``graphs.py``, ``draft_graph.py``; ``GLANCE_CUDA_GRAPH_WIDTHS`` lists the widths). SGLang's overlap scheduler
+stays as the user set it (``supports_overlap=True``: the V2 worker publishes each step's lengths through
+``on_publish`` and relays its roots through SGLang's ``FutureMap``; ``--disable-overlap-schedule`` runs it
+synchronously; on a CPU device it is off unless ``GLANCE_SGL_CPU_OVERLAP=1``). Forced: no mixed chunked prefill,
+and on a CPU device no graph capture.
 """
 
 from __future__ import annotations
@@ -147,12 +149,14 @@ def fill_server_args(server_args: Any) -> None:
         logger.info("GLANCE on CPU: graph capture is off (--disable-cuda-graph)")
         server_args.disable_cuda_graph = True
     # On CUDA, graphs stay as the user set them: the verify pass is captured through the hooks of graphs.py.
-    if not getattr(server_args, "disable_overlap_schedule", True):
-        # The planner decides each step's shape on the host from the previous step's accept lengths and lead
-        # entropies; SGLang's overlap path needs the next step's shape before the current step finishes.
-        logger.warning("GLANCE runs synchronously: overlap scheduling is turned off (the planner needs the previous "
-                       "step's accept lengths to shape the next)")
-        server_args.disable_overlap_schedule = True
+    if device == "cpu" and not getattr(server_args, "disable_overlap_schedule", True):
+        from .settings import WorkerSettings
+
+        if not WorkerSettings.from_env().cpu_overlap:
+            # A CPU runs the step synchronously anyway; the overlap relay only adds work there (SGLang turns it
+            # off on a CPU for its own speculative algorithms too). GLANCE_SGL_CPU_OVERLAP=1 keeps it (tests).
+            logger.info("GLANCE on CPU: overlap scheduling is off (GLANCE_SGL_CPU_OVERLAP=1 keeps it on)")
+            server_args.disable_overlap_schedule = True
 
 
 def _spec_class():
@@ -197,7 +201,7 @@ def register_algorithm() -> None:
     if get_spec(ALGORITHM) is not None:
         return
     SpeculativeAlgorithm.register(
-        ALGORITHM, supports_overlap=False, validate_server_args=validate_server_args, spec_class=_spec_class()
+        ALGORITHM, supports_overlap=True, validate_server_args=validate_server_args, spec_class=_spec_class()
     )(_worker_factory)
 
 

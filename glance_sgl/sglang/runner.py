@@ -204,7 +204,8 @@ def _generate(llm, requests: list[dict[str, Any]], concurrent: bool, concurrency
 
 def _info(llm) -> dict[str, Any]:
     info = llm.get_server_info()
-    keep = ("max_total_num_tokens", "internal_states", "speculative_algorithm", "attention_backend")
+    keep = ("max_total_num_tokens", "internal_states", "speculative_algorithm", "attention_backend",
+            "disable_overlap_schedule")
     return {k: info.get(k) for k in keep if k in info}
 
 

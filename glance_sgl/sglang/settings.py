@@ -15,6 +15,7 @@ environment; the worker takes the object.
 | ``GLANCE_CUDA_GRAPH_WIDTHS`` | ``graph_widths`` | default widths / ``1,4,8,...`` | the verify widths captured in CUDA graphs |
 | ``GLANCE_SGL_STEP`` | ``step`` | ``auto`` / ``host`` / ``device`` | where the step's tree build and walk run (``auto``: the device on CUDA, the host elsewhere) |
 | ``GLANCE_SGL_STATIC_DRAFT`` | ``static_draft`` | ``0`` / ``1`` | the drafter pass with the static shapes of its graphs, without graphs (CPU tests of the GPU path) |
+| ``GLANCE_SGL_CPU_OVERLAP`` | ``cpu_overlap`` | ``0`` / ``1`` | on a CPU device, keep SGLang's overlap scheduler on (default: off there, as SGLang does for its own speculative algorithms: a CPU runs the step synchronously anyway, and the relay costs; tests of the overlap path set it) |
 | ``GLANCE_SGL_PROFILE`` | ``profile`` | ``0`` / ``1`` | log a per-phase time profile of decode steps |
 | ``GLANCE_SGL_COUNT_HOST_READS`` | ``count_host_reads`` | ``0`` / ``1`` | count device-to-host reads per step and log them |
 | ``GLANCE_SGL_DUMP_TAPS`` | ``dump_taps`` | unset / a directory | save the prompt taps the worker is handed (debugging the tap capture) |
@@ -103,6 +104,7 @@ class WorkerSettings:
     dump_taps: Path | None = None
     draft_sources: tuple[str, ...] = ("drafter",)
     ngram_corpus: str = "shared"
+    cpu_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -138,7 +140,7 @@ class WorkerSettings:
         return cls(planner=planner, planner_seed=seed, graph_widths=widths, step=step,
                    static_draft=_flag(env, "GLANCE_SGL_STATIC_DRAFT"), profile=_flag(env, "GLANCE_SGL_PROFILE"),
                    count_host_reads=_flag(env, "GLANCE_SGL_COUNT_HOST_READS"), dump_taps=Path(dump) if dump else None,
-                   draft_sources=sources, ngram_corpus=corpus)
+                   draft_sources=sources, ngram_corpus=corpus, cpu_overlap=_flag(env, "GLANCE_SGL_CPU_OVERLAP"))
 
     def device_step(self, on_cuda: bool) -> bool:
         """Whether the step's tree build and walk run as device tensors (no per-request host loops)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from glance_sgl.demo.paths import bundled_drafter, bundled_target
 from glance_sgl.sglang import bench
 
@@ -35,6 +37,19 @@ def test_overlap_flag_sets_the_speculative_engines_only():
         assert none.get("disable_overlap_schedule") is (True if device == "cpu" else None)
     assert "disable_overlap_schedule" not in bench.engine_kwargs("glance", MODEL, DRAFTER, "cuda", 8)
     assert bench.engine_kwargs("glance", MODEL, DRAFTER, "cpu", 8)["disable_overlap_schedule"] is True
+
+
+def test_a_method_may_set_its_own_overlap_mode():
+    assert bench.method_parts("glance+ngram@overlap") == ("glance+ngram", "on")
+    assert bench.method_parts("ngram@sync") == ("ngram", "off") and bench.method_parts("none") == ("none", None)
+    for bad in ("glance@fast", "turbo", "glance@"):
+        with pytest.raises(ValueError, match="unknown method"):
+            bench.method_parts(bad)
+    kw = bench.engine_kwargs("glance@overlap", MODEL, DRAFTER, "cpu", 8, overlap="off")
+    assert kw["disable_overlap_schedule"] is False  # the method's own mode wins over the run's
+    assert bench.engine_env("glance@overlap")["GLANCE_SGL_CPU_OVERLAP"] == "1"
+    assert "GLANCE_SGL_CPU_OVERLAP" not in bench.engine_env("glance@sync", overlap="on")
+    assert bench.engine_env("ngram@overlap") == {}
 
 
 def test_glance_off_forces_the_planner_off_and_host_reads_are_opt_in():

@@ -5,9 +5,11 @@ engine's AR decoding, at batch 1 and with 4 concurrent requests; its accept leng
 every step) must agree with the embedded engine's tau (fixed planner too); SGLang's strict memory check stays on
 and no KV slot leaks. A third engine runs the test-only random planner (``GLANCE_PLANNER=random:SEED``: random
 tree sizes and plain AR steps without the drafter pass, the cost calibration's extra passes included) with
-several requests in flight, greedy and seeded sampling, and must give the same tokens too. A fourth merges the
-n-gram source's candidates with the drafter's (``GLANCE_DRAFT_SOURCES=drafter,ngram``, random planner: merged
-trees, n-gram-only steps and AR steps) and must give the same tokens at 1 and 4 in flight.
+several requests in flight, greedy and seeded sampling, with the n-gram source's candidates merged with the
+drafter's (``GLANCE_DRAFT_SOURCES=drafter,ngram``: merged trees, n-gram-only steps, drafter-only steps and AR
+steps), and must give the same tokens too. A fourth runs the same random rounds under SGLang's overlap scheduler
+(the V2 worker with ``FutureMap`` relay: the scheduler processes a step's results after launching the next) and
+must give the same tokens at 1 and 4 in flight, greedy and seeded.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ def run(checkpoints, tmp_path_factory):
     glance = EngineProcess(cpu_engine_kwargs(target, drafter), env={**STRICT, "GLANCE_PLANNER": "fixed"},
                            log_path=logs / "glance.log", wait=False)
     rand = EngineProcess(cpu_engine_kwargs(target, drafter),
-                         env={**STRICT, "GLANCE_PLANNER": "random:11", "GLANCE_COST_CACHE": "off"},
-                         log_path=logs / "random.log", wait=False)
-    merged = EngineProcess(cpu_engine_kwargs(target, drafter),
+                         env={**STRICT, "GLANCE_PLANNER": "random:11", "GLANCE_COST_CACHE": "off",
+                              "GLANCE_DRAFT_SOURCES": "drafter,ngram"}, log_path=logs / "random.log", wait=False)
+    merged = EngineProcess(cpu_engine_kwargs(target, drafter, disable_overlap_schedule=False),
                            env={**STRICT, "GLANCE_DRAFT_SOURCES": "drafter,ngram", "GLANCE_PLANNER": "random:5",
-                                "GLANCE_COST_CACHE": "off"}, log_path=logs / "merged.log", wait=False)
+                                "GLANCE_COST_CACHE": "off", "GLANCE_SGL_CPU_OVERLAP": "1"}, log_path=logs / "merged.log",
+                           wait=False)
     plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env=STRICT,
                           log_path=logs / "plain.log", wait=False)
     threads = torch.get_num_threads()
@@ -80,12 +83,14 @@ def run(checkpoints, tmp_path_factory):
         merged_batch1 = merged.generate(requests)["results"]
         merged_concurrent = merged.generate(requests, concurrency=4)["results"]
         merged_seeded = merged.generate(seeded, concurrent=True)["results"]
+        merged_info = merged.info()
         merged.close()
         print(f"embedded {t_embedded:.1f}s, engines ready {t_ready:.1f}s, all {time.perf_counter() - t0:.1f}s")
         yield {"kind": kind, "requests": requests, "ar": ar, "tau": committed / max(rounds, 1), "batch1": batch1,
                "plain": plain_out, "concurrent": concurrent, "glance": glance, "logs": logs, "sampled": sampled,
                "seeded_fixed": seeded_fixed, "random_greedy": random_greedy, "random_seeded": random_seeded,
-               "merged_batch1": merged_batch1, "merged_concurrent": merged_concurrent, "merged_seeded": merged_seeded}
+               "merged_batch1": merged_batch1, "merged_concurrent": merged_concurrent, "merged_seeded": merged_seeded,
+               "merged_info": merged_info}
     finally:
         torch.set_num_threads(threads)
         glance.close()
@@ -179,10 +184,10 @@ def test_random_planner_metrics_and_no_leak(run):
     assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
 
 
-def test_merged_ngram_and_drafter_sources_stay_lossless(run):
-    """n-gram candidates (SGLang's NgramCorpus over prompt, output and recent answers) merged with the drafter's
-    tree, random tree sizes and AR steps: SGLang's tokens without speculation at 1 and 4 in flight, and the fixed
-    tree's seeded samples."""
+def test_overlap_scheduler_stays_lossless(run):
+    """Under SGLang's overlap scheduler (results processed a step late; roots relayed through its FutureMap):
+    n-gram candidates merged with the drafter's tree, random tree sizes and AR steps give SGLang's tokens without
+    speculation at 1 and 4 in flight, and the fixed tree's seeded samples."""
     for i, (g, c, p) in enumerate(zip(run["merged_batch1"], run["merged_concurrent"], run["plain"])):
         assert g["output_ids"] == p["output_ids"], f"prompt {i}: drafter + n-gram vs SGLang without speculation"
         assert c["output_ids"] == p["output_ids"], f"prompt {i} (4 in flight): drafter + n-gram vs plain SGLang"
@@ -190,6 +195,9 @@ def test_merged_ngram_and_drafter_sources_stay_lossless(run):
         assert g["output_ids"] == f["output_ids"], f"seeded prompt {i}: drafter + n-gram vs the fixed tree"
     steps = sum(g["meta_info"].get("spec_verify_ct", 0) for g in run["merged_batch1"])
     tokens = sum(g["meta_info"]["completion_tokens"] - 1 for g in run["merged_batch1"])
-    print(f"drafter + n-gram (random planner) accept length {tokens / max(steps, 1):.2f}")
+    print(f"overlap, drafter + n-gram (random planner) accept length {tokens / max(steps, 1):.2f}")
     log = (run["logs"] / "merged.log").read_text()
     assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
+    assert run["merged_info"]["disable_overlap_schedule"] is False  # the overlap scheduler did run
+    for name in ("glance", "random", "merged"):  # GLANCE registers supports_overlap=True: no deprecation notice
+        assert "supports_overlap=False" not in (run["logs"] / f"{name}.log").read_text()

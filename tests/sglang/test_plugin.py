@@ -49,6 +49,7 @@ def test_registration_through_load_plugins(plugins_loaded):
     assert any(ep.value == "glance_sgl.sglang:register" for ep in entry_points(group="sglang.srt.plugins"))
     algo = SpeculativeAlgorithm.from_string("GLANCE")
     assert algo is get_spec("glance") and algo.is_speculative() and not algo.is_ngram()
+    assert algo.supports_overlap is True  # the V2 worker under SGLang's overlap scheduler: no deprecation notice
     # what SGLang's default CustomSpecAlgo lacks
     assert algo.carries_draft_hidden_states() is False and algo.need_topk() is False
     assert callable(algo.create_future_map)
@@ -81,7 +82,7 @@ def _args(path, **kw):
     return SimpleNamespace(**base)
 
 
-def test_server_args_filled(tmp_path, plugins_loaded):
+def test_server_args_filled(tmp_path, plugins_loaded, monkeypatch):
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     path = _drafter_dir(tmp_path, block=16, branch_k=8)
@@ -95,7 +96,11 @@ def test_server_args_filled(tmp_path, plugins_loaded):
     assert args.disable_cuda_graph is True and args.disable_overlap_schedule is True
     args = _args(path, device="cuda", disable_cuda_graph=False, disable_overlap_schedule=False)
     SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)  # CUDA graphs stay on (graphs.py)
-    assert args.disable_cuda_graph is False and args.disable_overlap_schedule is True
+    assert args.disable_cuda_graph is False and args.disable_overlap_schedule is False  # and the overlap scheduler
+    monkeypatch.setenv("GLANCE_SGL_CPU_OVERLAP", "1")  # the overlap path's CPU tests
+    args = _args(path, disable_overlap_schedule=False)
+    SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
+    assert args.disable_overlap_schedule is False
     args = _args(path, speculative_num_draft_tokens=8, speculative_eagle_topk=2, speculative_num_steps=5)
     SpeculativeAlgorithm.from_string("GLANCE").handle_server_args(args)
     assert (args.speculative_num_draft_tokens, args.speculative_num_steps, args.speculative_eagle_topk) == (8, 5, 2)
