@@ -46,10 +46,15 @@ def source_counts(tree: "DraftTree", walk: "WalkResult") -> list[dict[str, tuple
     return out
 
 
+def entropy_tensor(logits: torch.Tensor) -> torch.Tensor:
+    """[N] fp32 on ``logits``' device: the entropy (nats) of softmax of each row of ``logits`` [N, V]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def entropies_nats(logits: torch.Tensor) -> list[float]:
     """Entropy (nats, fp32) of softmax of each row of ``logits`` [N, V]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return (-(logp.exp() * logp).sum(-1)).tolist()
+    return entropy_tensor(logits).tolist()
 
 
 def entropy_nats(logits: torch.Tensor) -> float:

@@ -43,7 +43,6 @@ from typing import Callable, Hashable, Iterable, Literal, Sequence
 
 import torch
 
-from .metrics import entropies_nats
 from .tree import SOURCE_DRAFTER, SourceAcceptance
 
 PlannerMode = Literal["auto", "fixed", "off"]
@@ -362,8 +361,9 @@ class DepthCalibration:
         reach = torch.arange(self.max_depth + 2, device=dev)[None, :] <= accept_lens.to(dev)[:, None]
         hit = reach.double()
         hit[:, 0] = 0.0
-        self.predicted.mul_(self.decay).add_(pred.sum(0)[: self.max_depth + 1].cpu())
-        self.hits.mul_(self.decay).add_(hit.sum(0)[: self.max_depth + 1].cpu())
+        # the sums live where the trees do: a device-resident step reads nothing back for them
+        self.predicted = self.predicted.to(dev).mul_(self.decay).add_(pred.sum(0)[: self.max_depth + 1])
+        self.hits = self.hits.to(dev).mul_(self.decay).add_(hit.sum(0)[: self.max_depth + 1])
 
 
 class EntropyTable:
@@ -468,8 +468,8 @@ class RoundReport:
     drafting); ``rows``: rows per request the target pass verified (1 = an AR step; may exceed ``plan.nodes + 1``
     where the engine rounds up to a captured width); ``accepted``: accepted drafted nodes per request (bonus
     excluded); ``tree`` / ``walk``: the verified ``DraftTree`` and its ``WalkResult`` (the per-depth calibration;
-    None skips it); ``lead_logits``: [bs, V] the target's logits at the row that produced each request's bonus
-    token (the next lead entropies; None keeps the current ones); ``drafter_ms`` / ``pass_ms`` / ``host_ms``:
+    None skips it); ``lead_entropies``: [bs] the entropy (nats) of the target's distribution at the row that
+    produced each request's bonus token (the next lead entropies; None keeps the current ones); ``drafter_ms`` / ``pass_ms`` / ``host_ms``:
     the candidate sources' time, the target pass's, and the round's other host work (choice, walk, KV keep,
     feeding the sources), wall ms; None where not measured (the cost model is left as it is).
     """
@@ -480,7 +480,7 @@ class RoundReport:
     accepted: Sequence[int]
     tree: object = None
     walk: object = None
-    lead_logits: torch.Tensor | None = None
+    lead_entropies: Sequence[float] | None = None
     drafter_ms: float | None = None
     pass_ms: float | None = None
     host_ms: float | None = None
@@ -648,7 +648,9 @@ class Planner:
         ratio = torch.tensor([self.state(r).tree_ratio if drafter_ran else 1.0 for r in rids], dtype=raw.dtype,
                              device=raw.device)
         curve = 1.0 + raw * ratio[:, None]
-        per_n = curve.sum(0).tolist()  # [limit + 1]: the batch's expected tokens for budget n
+        # one host read: every request's expected tokens and raw acceptance at every budget [2, bs, limit + 1]
+        curve_host, raw_host = torch.stack([curve, raw.to(curve.dtype)]).tolist()
+        per_n = [sum(col) for col in zip(*curve_host)]  # [limit + 1]: the batch's expected tokens for budget n
         if self.mode == "fixed":
             n = min(self.fixed_nodes, limit)
         else:
@@ -664,7 +666,7 @@ class Planner:
         if drafter_ran:
             for r in rids:
                 self.state(r).last_nodes = n
-        return Plan(n, curve[:, n].tolist(), drafted=drafter_ran, raw_accept=raw[:, n].tolist())
+        return Plan(n, [row[n] for row in curve_host], drafted=drafter_ran, raw_accept=[row[n] for row in raw_host])
 
     # ------------------------------------------------------------ step 3: feedback
     def report(self, report: RoundReport) -> None:
@@ -676,11 +678,11 @@ class Planner:
             # per source and depth, from trees that hold other sources' nodes (the drafter's own trees calibrate
             # ``depth``; skipping them keeps a device-resident step free of host reads)
             self.acceptance.observe(report.tree, report.walk.accepted_rows)
-        if report.lead_logits is not None:
-            # the entropy costs a pass over the vocabulary: only where the next gate may read it (not while every
-            # request of a batch that did not draft is paused or held back)
+        if report.lead_entropies is not None:
+            # kept only where the next gate may read it (not while every request of a batch that did not draft is
+            # paused or held back)
             if report.drafted or not all(self.state(r).drafting_off for r in report.rids):
-                self.leads.update(zip(report.rids, entropies_nats(report.lead_logits)))
+                self.leads.update(zip(report.rids, report.lead_entropies))
             else:
                 self.leads.update((r, None) for r in report.rids)
         if None not in (report.drafter_ms, report.pass_ms, report.host_ms):
@@ -794,7 +796,8 @@ class RandomPlanner(Planner):
         if drafter_ran:
             for r in rids:
                 self.state(r).last_nodes = n
-        return Plan(n, [1.0 + float(a) for a in raw.tolist()], drafted=drafter_ran, raw_accept=raw.tolist())
+        raw_host = raw.tolist()  # one host read, as Planner.choose's
+        return Plan(n, [1.0 + float(a) for a in raw_host], drafted=drafter_ran, raw_accept=raw_host)
 
 
 __all__ = ["CostModel", "Planner", "RandomPlanner", "AlwaysDraft", "Plan", "RoundReport", "PlannerMode", "PLANNER_MODES",

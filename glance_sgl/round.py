@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
 
+from .metrics import entropy_tensor
 from .planner import CostModel, Plan, RoundReport, calibrate
 from .tree import SOURCE_DRAFTER, DraftTree, merge_trees
 from .verify import SamplingSpec, WalkResult, verify_tree
@@ -172,6 +173,14 @@ def lead_rows(logits: torch.Tensor, walk: WalkResult) -> torch.Tensor:
     return logits[torch.arange(logits.shape[0], device=dev), last]
 
 
+def round_numbers(walk: WalkResult, lead: torch.Tensor) -> tuple[list[int], list[float]]:
+    """What the planner learns from a round, read to the host at once (one read, wherever the walk ran): accepted
+    nodes per request and the lead entropies (nats) of ``lead`` [bs, V]."""
+    h = entropy_tensor(lead)
+    accepted, entropies = torch.stack([walk.accept_lens.to(h.device, h.dtype), h]).tolist()
+    return [int(a) for a in accepted], entropies
+
+
 def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int, max_depth: int | None = None
             ) -> DraftTree:
     """The candidates of every active source in one best-first tree of at most ``rows`` rows per request (several
@@ -233,8 +242,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         target.keep(tree, walk)
     for source in sources:
         source.commit(batch, out.taps, walk)
-    lead = lead_rows(out.logits, walk)
-    accepted = walk.accept_lens.tolist()
+    accepted, lead = round_numbers(walk, lead_rows(out.logits, walk))
     t4 = time.perf_counter()
     # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
     report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if active else None,
@@ -266,4 +274,5 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
 
 __all__ = ["DRAFT_SOURCES", "check_draft_sources",
            "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
-           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose", "one_tree"]
+           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "round_numbers", "propose",
+           "one_tree"]

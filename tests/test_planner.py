@@ -359,11 +359,11 @@ def test_calibrated_rows_are_smoothed_beyond_the_ar_step():
 
 
 def test_one_report_per_round_carries_the_lead_entropy_and_the_round_costs():
-    """The planner owns each request's lead entropy: a report's bonus-row logits give the next one, skipped where no
+    """The planner owns each request's lead entropy: a report's bonus-row entropy gives the next one, dropped where no
     gate reads it (a paused request's AR round); the same report's timings move the cost model."""
     planner = Planner(linear_costs(), max_nodes=15, max_depth=7)
     tree = random_tree(3, 15)
-    coin = torch.tensor([[0.0, 0.0]])  # the bonus row: a fair coin, ln 2 nats
+    coin = [math.log(2)]  # the bonus row: a fair coin, ln 2 nats
     planner.begin("a", 0.3)
     assert planner.lead_entropy("a") == 0.3 and planner.known() == {"a"}
     plan = planner.choose(["a"], tree.scores, tree.depths)
@@ -372,7 +372,7 @@ def test_one_report_per_round_carries_the_lead_entropy_and_the_round_costs():
                                drafter_ms=0.5, pass_ms=2.0, host_ms=0.8))
     assert planner.lead_entropy("a") == pytest.approx(math.log(2), abs=1e-5)
     assert planner.costs.overhead_ms > overhead and planner.state("a").drafted_rounds == 1
-    planner.state("a").paused = True  # drafting paused: the AR round's entropy is not computed
+    planner.state("a").paused = True  # drafting paused: the AR round's entropy is not kept
     ar = planner.costs.ar_ms()
     planner.report(RoundReport(["a"], planner.skip(["a"]), 1, [0], None, None, coin, drafter_ms=0.0, pass_ms=3 * ar,
                                host_ms=0.0))

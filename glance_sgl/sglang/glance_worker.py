@@ -374,6 +374,14 @@ class GlanceWorker(BaseSpecWorker):
             raise RuntimeError(f"GLANCE decode batch without its draft input (got {type(info).__name__})")
         return info.bonus_tokens.to(self.device, torch.long)
 
+    def _host_seq_lens(self, batch: ScheduleBatch) -> list[int]:
+        """[bs] prefix lengths on the host: SGLang's host mirror ``seq_lens_cpu`` where it keeps one (a host tensor
+        on any device: not a device read, so not counted), else read from the device."""
+        if batch.seq_lens_cpu is None:
+            return [int(x) for x in batch.seq_lens.tolist()]
+        with self._counter.paused() if self._counter is not None else contextlib.nullcontext():
+            return [int(x) for x in batch.seq_lens_cpu.tolist()]
+
     def _next_index(self, batch: ScheduleBatch) -> torch.Tensor:
         """[bs] long: each request's output index of the token after its root (the sampling noise's counter):
         the committed output tokens, ``seq_lens - prompt + 1`` (the root's K/V is not in the cache yet). From the
@@ -479,12 +487,13 @@ class GlanceWorker(BaseSpecWorker):
         bs = len(batch.reqs)
         rids = [req.rid for req in batch.reqs]
         seq_lens = batch.seq_lens
-        seq_lens_cpu = [int(x) for x in (batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None
-                                         else seq_lens.tolist())]
+        seq_lens_cpu = self._host_seq_lens(batch)
         roots = self._roots(batch)
         next_index = self._next_index(batch)
-        tokens = None if self.ngram is None else _RequestTokens(batch.reqs, self._vocab, roots.tolist(),
-                                                                 next_index.tolist())
+        tokens = None
+        if self.ngram is not None:  # the n-gram source's host corpus: roots and counts read back at once
+            roots_host, committed = torch.stack([roots, next_index.to(roots.dtype)]).tolist()
+            tokens = _RequestTokens(batch.reqs, self._vocab, roots_host, committed)
         rounds = RoundBatch(rids, roots, next_index, [sampling_spec(req) for req in batch.reqs], tokens)
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
         source = PoolDrafter(self, batch, seq_lens_cpu)

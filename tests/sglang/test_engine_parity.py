@@ -41,7 +41,8 @@ def run(checkpoints, tmp_path_factory):
                               "GLANCE_DRAFT_SOURCES": "drafter,ngram"}, log_path=logs / "random.log", wait=False)
     merged = EngineProcess(cpu_engine_kwargs(target, drafter, disable_overlap_schedule=False),
                            env={**STRICT, "GLANCE_DRAFT_SOURCES": "drafter,ngram", "GLANCE_PLANNER": "random:5",
-                                "GLANCE_COST_CACHE": "off", "GLANCE_SGL_CPU_OVERLAP": "1"}, log_path=logs / "merged.log",
+                                "GLANCE_COST_CACHE": "off", "GLANCE_SGL_CPU_OVERLAP": "1",
+                                "SGLANG_IS_IN_CI": "1"}, log_path=logs / "merged.log",
                            wait=False)
     plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env=STRICT,
                           log_path=logs / "plain.log", wait=False)

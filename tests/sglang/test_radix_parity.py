@@ -34,7 +34,7 @@ SYSTEM = "You are a careful assistant. Look at the picture before you answer."
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 RETRACT = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"}
 HOST_READS = re.compile(r"GLANCE host reads bs=(\d+) rows=(\d+): (\d+) ")
-READS_BOUND = 8  # host reads per decode step (today: 3 for an AR step, 5 to 7 for a drafting one)
+READS_BOUND = 2  # device reads per decode step: the planner's numbers (1 for an AR step, 2 for a drafting one)
 SETTINGS = dict(chunked_prefill_size=48, max_total_tokens=2048, context_length=512, disable_radix_cache=False)
 
 
