@@ -42,8 +42,9 @@ def resolve_checkpoints(args: argparse.Namespace) -> tuple[Path, Path | None]:
 
 
 def draft_settings(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, str | None]:
-    """``--draft-sources`` (validated, canonical order; None: the engine's default, the drafter alone) and
-    ``--ngram-corpus`` (None: the n-gram source's default, shared); a CLI error naming the flag otherwise."""
+    """``--draft-sources`` (validated, canonical order; None: the engine's default: the drafter alone embedded, the
+    drafter and n-gram matches merged in the SGLang worker) and ``--ngram-corpus`` (None: the n-gram source's
+    default, shared); a CLI error naming the flag otherwise."""
     from glance_sgl.round import check_draft_sources
 
     sources = None
@@ -52,7 +53,8 @@ def draft_settings(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, st
             sources = check_draft_sources([n.strip() for n in args.draft_sources.split(",") if n.strip()])
         except ValueError as exc:
             _fail(f"--draft-sources {args.draft_sources!r}: {exc}")
-    if args.ngram_corpus is not None and "ngram" not in (sources or ()):
+    default = ("drafter", "ngram") if args.backend == "sglang" else ("drafter",)  # the engines' defaults
+    if args.ngram_corpus is not None and "ngram" not in (sources or default):
         _fail("--ngram-corpus scopes the n-gram source's corpus: pass --draft-sources with ngram "
               "(e.g. --draft-sources drafter,ngram)")
     if args.upstream and sources is not None:

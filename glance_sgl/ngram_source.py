@@ -260,24 +260,35 @@ class NgramSource:
 
     def commit(self, rid: Hashable, tokens: Sequence[int]) -> None:
         """Tokens committed for ``rid`` (in output order: the prefill's first token, then each round's)."""
-        req = self._requests.get(rid)
-        if req is None or not tokens:
-            return
+        self.commit_many([(rid, tokens)])
+
+    def commit_many(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> None:
+        """:meth:`commit` for several requests at once: each request's own corpus gets its window, and each
+        cross-request corpus one insert call for all of its requests' new answer n-grams (a round's commits)."""
         s = self.settings
-        tokens = [int(t) for t in tokens]
-        # every n-gram that ends in a new token starts at most max_trie_depth - 1 tokens before it
-        window = req.tail[-(s.max_trie_depth - 1):] + tokens
-        req.own.batch_put([window])
-        req.tail = window[-s.max_trie_depth:]
-        req.total += len(tokens)
-        room = s.max_answer_tokens - len(req.answer)
-        if room > 0:
-            if s.publish == "live":  # the answer's new n-grams (answer tokens only: never the prompt's)
-                corpus = self._cross(req.key, create=True)
-                if corpus is not None:
-                    corpus.batch_put([req.answer[-(s.max_trie_depth - 1):] + tokens[:room]])
-                    self.published_tokens += min(room, len(tokens))
-            req.answer.extend(tokens[:room])
+        live: dict[str, list[list[int]]] = {}
+        published: dict[str, int] = {}
+        for rid, tokens in items:
+            req = self._requests.get(rid)
+            if req is None or not tokens:
+                continue
+            tokens = [int(t) for t in tokens]
+            # every n-gram that ends in a new token starts at most max_trie_depth - 1 tokens before it
+            window = req.tail[-(s.max_trie_depth - 1):] + tokens
+            req.own.batch_put([window])
+            req.tail = window[-s.max_trie_depth:]
+            req.total += len(tokens)
+            room = s.max_answer_tokens - len(req.answer)
+            if room > 0:
+                if s.publish == "live":  # the answer's new n-grams (answer tokens only: never the prompt's)
+                    live.setdefault(req.key, []).append(req.answer[-(s.max_trie_depth - 1):] + tokens[:room])
+                    published[req.key] = published.get(req.key, 0) + min(room, len(tokens))
+                req.answer.extend(tokens[:room])
+        for key, windows in live.items():
+            corpus = self._cross(key, create=True)
+            if corpus is not None:
+                corpus.batch_put(windows)
+                self.published_tokens += published[key]
 
     def finish(self, rid: Hashable, publish: bool = True) -> None:
         """``rid`` is done: its answer joins its cross-request corpus (``publish``, with ``publish="finished"``
@@ -449,9 +460,8 @@ class NgramCandidates:
             return
         self._sync(batch)
         roots = batch.roots.tolist()
-        for b, (rid, tokens) in enumerate(zip(batch.rids, walk.committed())):
-            if rid in self.source and self.source.root(rid) == roots[b]:
-                self.source.commit(rid, tokens)
+        self.source.commit_many([(rid, tokens) for b, (rid, tokens) in enumerate(zip(batch.rids, walk.committed()))
+                                 if rid in self.source and self.source.root(rid) == roots[b]])
 
     def finish(self, rid: Hashable, publish: bool = True) -> None:
         """``rid`` ended: see ``NgramSource.finish``."""

@@ -2,12 +2,16 @@
 NGRAM and DFLASH.
 
     python -m glance_sgl.sglang.bench [--model DIR --drafter DIR] [--prompts 32] [--max-tokens 64]
-        [--methods none,ngram,dflash,glance,glance-fixed,glance-off,glance+ngram] [--concurrency 1,4,16]
+        [--methods none,ngram,dflash,glance,glance-fixed,glance-off,glance+ngram,glance-ngram,glance-drafter]
+        [--concurrency 1,4,16]
         [--wild 16] [--wild-concurrency 1,8] [--interleave] [--overlap on|off] [--step-stats] [--count-host-reads]
         [--log-dir DIR] [--json FILE]
 
-``glance+ngram`` is GLANCE (auto planner) with the n-gram source's candidates merged into the drafter's tree
-(``GLANCE_DRAFT_SOURCES=drafter,ngram``); ``glance-off`` is GLANCE with drafting forced off (``GLANCE_PLANNER=off``:
+``glance`` is GLANCE as it ships (auto planner, the n-gram source's candidates merged into the drafter's tree:
+``GLANCE_DRAFT_SOURCES=drafter,ngram``, the worker's default; ``glance+ngram`` says so explicitly);
+``glance-drafter`` is the drafter alone; ``glance-ngram`` the n-gram source alone (no drafter pass: SGLang's
+``NgramCorpus`` as NGRAM uses it, GLANCE's tree, planner and walk); ``glance-fixed`` the drafter's full tree every
+step; ``glance-off`` is GLANCE with drafting forced off (``GLANCE_PLANNER=off``:
 every step an AR step through the speculative worker, the "never hurts" cost against ``none``). ``dflash`` is
 SGLang's own DFLASH loading the GLANCE drafter unchanged (our checkpoints are DFlash checkpoints: the same weights,
 chain verification, SGLang's implementation), with ``speculative_num_draft_tokens`` = the drafter's ``block_size``;
@@ -58,10 +62,15 @@ from typing import Any
 
 from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, wild_requests
 
-METHODS = ("none", "ngram", "dflash", "glance", "glance-fixed", "glance-off", "glance+ngram")
-GLANCE_METHODS = ("glance", "glance-fixed", "glance-off", "glance+ngram")
+METHODS = ("none", "ngram", "dflash", "glance", "glance-fixed", "glance-off", "glance+ngram", "glance-ngram",
+           "glance-drafter")
+GLANCE_METHODS = ("glance", "glance-fixed", "glance-off", "glance+ngram", "glance-ngram", "glance-drafter")
 ALGORITHMS = {"none": None, "ngram": "NGRAM", "dflash": "DFLASH", **{m: "GLANCE" for m in GLANCE_METHODS}}
-PLANNERS = {"glance": "auto", "glance-fixed": "fixed", "glance-off": "off", "glance+ngram": "auto"}
+PLANNERS = {"glance": "auto", "glance-fixed": "fixed", "glance-off": "off", "glance+ngram": "auto",
+            "glance-ngram": "auto", "glance-drafter": "auto"}
+# GLANCE_DRAFT_SOURCES of a method (the others: the worker's default, drafter + n-gram merged)
+SOURCES = {"glance+ngram": "drafter,ngram", "glance-ngram": "ngram", "glance-drafter": "drafter",
+           "glance-fixed": "drafter"}
 OVERLAP_SUFFIXES = {"overlap": "on", "sync": "off"}
 
 
@@ -165,8 +174,8 @@ def engine_env(method: str, step_stats: bool = False, count_host_reads: bool = F
     env = {"GLANCE_PLANNER": PLANNERS[method]}
     if (own or overlap) == "on":
         env["GLANCE_SGL_CPU_OVERLAP"] = "1"
-    if method == "glance+ngram":
-        env["GLANCE_DRAFT_SOURCES"] = "drafter,ngram"
+    if method in SOURCES:
+        env["GLANCE_DRAFT_SOURCES"] = SOURCES[method]
     if step_stats:
         env["GLANCE_SGL_PROFILE"] = "1"
     if count_host_reads:
@@ -459,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", type=Path, default=bundled_drafter(), help="GLANCE drafter checkpoint")
     p.add_argument("--prompts", type=int, default=32, help="demo evaluation prompts (round-robin over tasks)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--methods", default="none,ngram,glance,glance-fixed,glance+ngram",
+    p.add_argument("--methods", default="none,ngram,glance,glance-drafter,glance-ngram",
                    help=f"comma-separated subset of {','.join(METHODS)}, each optionally with @overlap or @sync")
     p.add_argument("--concurrency", default="1,4,16", help="demo requests in flight, comma-separated")
     p.add_argument("--wild", type=int, default=16, help="wild requests (noise / photo-like images; 0: none)")

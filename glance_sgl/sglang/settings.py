@@ -10,7 +10,7 @@ environment; the worker takes the object.
 | variable | setting | values (default first) | what it does |
 |---|---|---|---|
 | ``GLANCE_PLANNER`` | ``planner``, ``planner_seed`` | ``auto`` / ``fixed`` / ``off`` / ``random[:SEED]`` | the planning policy (``off``: never speculate; ``random``: tests) |
-| ``GLANCE_DRAFT_SOURCES`` | ``draft_sources`` | ``drafter`` / ``ngram`` / ``drafter,ngram`` | the candidate sources of the verify tree (``ngram``: SGLang's ``NgramCorpus`` over the request's prompt, its output and recent answers, no model pass; several: one merged tree) |
+| ``GLANCE_DRAFT_SOURCES`` | ``draft_sources`` | ``drafter,ngram`` / ``drafter`` / ``ngram`` | the candidate sources of the verify tree (``ngram``: SGLang's ``NgramCorpus`` over the request's prompt, its output and recent answers, no model pass; several: one merged tree) |
 | ``GLANCE_NGRAM_CORPUS`` | ``ngram_corpus`` | ``shared`` / ``per-key`` / ``off`` | which recent answers the n-gram source matches besides the request's own tokens (``NgramSettings.scope``) |
 | ``GLANCE_CUDA_GRAPH_WIDTHS`` | ``graph_widths`` | default widths / ``1,4,8,...`` | the verify widths captured in CUDA graphs |
 | ``GLANCE_SGL_STEP`` | ``step`` | ``auto`` / ``host`` / ``device`` | where the step's tree build and walk run (``auto``: the device on CUDA, the host elsewhere) |
@@ -80,10 +80,15 @@ def parse_widths(raw: str, name: str = "GLANCE_CUDA_GRAPH_WIDTHS") -> tuple[int,
     return widths
 
 
+# The worker's sources by default: the drafter and n-gram matches, merged (issue 27: on 2 CPU cores, interleaved,
+# ahead of the drafter alone in every scenario of the SGLang bench; docs/sglang.md "Candidate sources").
+DEFAULT_DRAFT_SOURCES = ("drafter", "ngram")
+
+
 def parse_draft_sources(raw: str, name: str = "GLANCE_DRAFT_SOURCES") -> tuple[str, ...]:
-    """A comma list of ``drafter`` / ``ngram`` (case and blanks ignored; empty = the drafter alone), deduplicated in
-    canonical order."""
-    names = [x.strip().lower() for x in raw.split(",") if x.strip()] or ["drafter"]
+    """A comma list of ``drafter`` / ``ngram`` (case and blanks ignored; empty = :data:`DEFAULT_DRAFT_SOURCES`),
+    deduplicated in canonical order."""
+    names = [x.strip().lower() for x in raw.split(",") if x.strip()] or list(DEFAULT_DRAFT_SOURCES)
     bad = [x for x in names if x not in DRAFT_SOURCES]
     if bad:
         raise SettingsError(f"{name}={raw!r}: a comma list of drafter, ngram (unknown: {', '.join(bad)})")
@@ -102,7 +107,7 @@ class WorkerSettings:
     profile: bool = False
     count_host_reads: bool = False
     dump_taps: Path | None = None
-    draft_sources: tuple[str, ...] = ("drafter",)
+    draft_sources: tuple[str, ...] = DEFAULT_DRAFT_SOURCES
     ngram_corpus: str = "shared"
     cpu_overlap: bool = False
 
@@ -147,5 +152,5 @@ class WorkerSettings:
         return self.step == "device" or (self.step == "auto" and on_cuda)
 
 
-__all__ = ["PLANNER_ENV", "SettingsError", "WorkerSettings", "parse_draft_sources", "parse_planner",
+__all__ = ["DEFAULT_DRAFT_SOURCES", "PLANNER_ENV", "SettingsError", "WorkerSettings", "parse_draft_sources", "parse_planner",
            "parse_widths"]

@@ -34,7 +34,8 @@ def run(checkpoints, tmp_path_factory):
     """Both SGLang engines start in the background while the embedded engine decodes the same prompts."""
     target, drafter, kind = checkpoints
     logs = tmp_path_factory.mktemp("sglang_logs")
-    glance = EngineProcess(cpu_engine_kwargs(target, drafter), env={**STRICT, "GLANCE_PLANNER": "fixed"},
+    glance = EngineProcess(cpu_engine_kwargs(target, drafter),  # the drafter alone: its tau is the embedded one's
+                           env={**STRICT, "GLANCE_PLANNER": "fixed", "GLANCE_DRAFT_SOURCES": "drafter"},
                            log_path=logs / "glance.log", wait=False)
     rand = EngineProcess(cpu_engine_kwargs(target, drafter),
                          env={**STRICT, "GLANCE_PLANNER": "random:11", "GLANCE_COST_CACHE": "off",

@@ -76,6 +76,7 @@ def run(checkpoints, tmp_path_factory):
     logs = tmp_path_factory.mktemp("radix_logs")
     env = {**STRICT, **RETRACT}
     device_step = {"GLANCE_SGL_DEVICE_STEP": "1", "GLANCE_SGL_COUNT_HOST_READS": "1", "GLANCE_PLANNER": "random:3",
+                   "GLANCE_DRAFT_SOURCES": "drafter",  # the device step's reads (the n-gram source reads its host corpus)
                    "GLANCE_SGL_STATIC_DRAFT": "1",  # the drafter pass at the CUDA-graph runner's static shapes
                    "GLANCE_COST_CACHE": str(logs / "costs")}
     glance = EngineProcess(cpu_engine_kwargs(target, drafter, **SETTINGS), env={**env, **device_step},

@@ -15,7 +15,7 @@ def test_defaults_from_an_empty_environment():
     assert (s.planner, s.step, s.graph_widths, s.profile, s.count_host_reads, s.dump_taps) == \
         ("auto", "auto", None, False, False, None)
     assert s.device_step(on_cuda=True) and not s.device_step(on_cuda=False)
-    assert (s.draft_sources, s.ngram_corpus) == (("drafter",), "shared")
+    assert (s.draft_sources, s.ngram_corpus) == (("drafter", "ngram"), "shared")  # merged by default
 
 
 def test_every_variable_is_read():
@@ -29,7 +29,8 @@ def test_every_variable_is_read():
     assert s.device_step(on_cuda=False)
     assert (s.draft_sources, s.ngram_corpus) == (("drafter", "ngram"), "per-key")  # canonical order
     assert WorkerSettings.from_env({"GLANCE_DRAFT_SOURCES": "ngram,ngram"}).draft_sources == ("ngram",)
-    assert WorkerSettings.from_env({"GLANCE_DRAFT_SOURCES": " "}).draft_sources == ("drafter",)
+    assert WorkerSettings.from_env({"GLANCE_DRAFT_SOURCES": " "}).draft_sources == ("drafter", "ngram")
+    assert WorkerSettings.from_env({"GLANCE_DRAFT_SOURCES": "drafter"}).draft_sources == ("drafter",)
     assert WorkerSettings.from_env({"GLANCE_SGL_STEP": "host"}).device_step(on_cuda=True) is False
     assert WorkerSettings.from_env({"GLANCE_SGL_DEVICE_STEP": "1"}).step == "device"  # the earlier spelling
 
