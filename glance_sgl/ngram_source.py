@@ -5,8 +5,10 @@ matcher behind SGLang's NGRAM, JIT-built through tvm_ffi on first use). A reques
 corpora, both matched on the request's last ``max_trie_depth`` tokens:
 
 - its own corpus: its prompt tokens and its committed output (one small trie per request, reused from a pool);
-- a cross-request corpus of recent answers (committed outputs, never prompts: published round by round, or when
-  a request finishes, ``NgramSettings.publish``), scoped by ``NgramSettings.scope``: ``shared`` (one corpus for
+- a cross-request corpus of recent answers (committed outputs, published round by round, or when a request
+  finishes, ``NgramSettings.publish``; each answer led by the last ``max_trie_depth - 1`` prompt tokens before it,
+  so that a request asked again, or ending like another, matches the other's answer from its first token, as with
+  SGLang's NGRAM; never the rest of a prompt), scoped by ``NgramSettings.scope``: ``shared`` (one corpus for
   every request), ``per-key`` (one per API key / tenant, the least recently used dropped beyond ``max_keys``) or
   ``off`` (none: a request matches its own tokens only).
 
@@ -137,6 +139,8 @@ class _Request:
     tail: list[int]  # the last max_trie_depth tokens (prompt then output); tail[-1] is the root of a proposal
     total: int  # tokens so far (prompt + output)
     answer: list[int] = field(default_factory=list)  # committed output, up to max_answer_tokens
+    lead: list[int] = field(default_factory=list)  # the prompt's last tokens (since its last skip token): the
+    # context the answer's first n-grams are published with
 
 
 class NgramSource:
@@ -256,7 +260,8 @@ class NgramSource:
         if segments:
             own.batch_put(segments)
         scope_key = _ANON_KEY if s.scope == "shared" or key is None else str(key)
-        self._requests[rid] = _Request(own, scope_key, prompt[-s.max_trie_depth:], len(prompt))
+        lead = cur[-(s.max_trie_depth - 1):]  # cur: the prompt's tokens after its last skip token
+        self._requests[rid] = _Request(own, scope_key, prompt[-s.max_trie_depth:], len(prompt), lead=lead)
 
     def commit(self, rid: Hashable, tokens: Sequence[int]) -> None:
         """Tokens committed for ``rid`` (in output order: the prefill's first token, then each round's)."""
@@ -280,8 +285,9 @@ class NgramSource:
             req.total += len(tokens)
             room = s.max_answer_tokens - len(req.answer)
             if room > 0:
-                if s.publish == "live":  # the answer's new n-grams (answer tokens only: never the prompt's)
-                    live.setdefault(req.key, []).append(req.answer[-(s.max_trie_depth - 1):] + tokens[:room])
+                if s.publish == "live":  # the answer's new n-grams (the first ones led by the prompt's last tokens)
+                    context = (req.lead + req.answer)[-(s.max_trie_depth - 1):]
+                    live.setdefault(req.key, []).append(context + tokens[:room])
                     published[req.key] = published.get(req.key, 0) + min(room, len(tokens))
                 req.answer.extend(tokens[:room])
         for key, windows in live.items():
@@ -300,7 +306,7 @@ class NgramSource:
         if publish and self.settings.publish == "finished" and len(req.answer) > 1:
             corpus = self._cross(req.key, create=True)
             if corpus is not None:
-                corpus.batch_put([req.answer])
+                corpus.batch_put([req.lead + req.answer])
                 self.published_tokens += len(req.answer)
         corpus = self._cross(req.key, create=False)
         if corpus is not None:
@@ -356,11 +362,12 @@ class NgramSource:
         live = [b for b, k in enumerate(known) if k and budgets[b] > 1 and self.available]
         if live:
             self._lookup(rids, live, tries)
-        table = (acceptance or self._default_acceptance).log_table(SOURCE_NGRAM)
+        acc = acceptance or self._default_acceptance
+        tables = {hot: acc.log_table(SOURCE_NGRAM, hot) for hot in (False, True)}  # by the request's state
         packed = []
         for b, trie in enumerate(tries):
             if len(trie) > 1:
-                trie.rescore(table, SOURCE_NGRAM)
+                trie.rescore(tables[acc.is_hot(rids[b])], SOURCE_NGRAM)
             packed.append(trie.best_first(budgets[b] - 1))
         return pack_trees(packed, device)
 
@@ -439,13 +446,17 @@ class NgramCandidates:
             if tokens is None or not tokens[b] or int(tokens[b][-1]) != roots[b]:
                 continue
             answer: list[int] = []
+            lead = None
             if known:  # keep what it had answered, less the tokens the engine dropped
                 old = src._requests[rid]
                 keep = len(old.answer) - (old.total - len(tokens[b]))
                 answer = old.answer[:keep] if keep > 0 else []
+                lead = old.lead
                 src.finish(rid, publish=False)
             src.add_request(rid, tokens[b], self.keys.get(rid))
             src._requests[rid].answer = answer
+            if lead is not None:
+                src._requests[rid].lead = lead
 
     def propose(self, batch: Any, rows: int) -> DraftTree:
         """Candidate trees [bs, <= rows] tagged ``SOURCE_NGRAM`` on ``batch.roots``' device."""

@@ -149,6 +149,21 @@ def test_live_publishing_lets_concurrent_requests_match(publish):
     assert src.stats()["published_tokens"] == {"live": 5 + 3, "finished": 5}[publish]  # live: the reader's too
 
 
+@pytest.mark.parametrize("publish", ["live", "finished"])
+def test_a_prompt_asked_again_gets_the_earlier_answer_from_its_first_token(publish):
+    """Answers are published led by the prompt's last tokens (as SGLang's NGRAM inserts them): a request ending
+    like an earlier one matches that one's answer before it has committed anything; the rest of a prompt never
+    joins the cross-request corpus."""
+    src = NgramSource(small(scope="shared", publish=publish))
+    src.add_request("first", [1, 2, 3, 4, 5, 6, 7, 8, 90, 91, 92])  # lead: its last 7 tokens (max_trie_depth 8)
+    src.commit("first", [70, 71, 72, 73])
+    src.finish("first")
+    src.add_request("again", [50, 51, 90, 91, 92])  # another opening, the same last tokens
+    assert (70, 71, 72, 73) in paths_of(src.propose(["again"], rows=8))
+    src.add_request("opening", [60, 1, 2])  # the first prompt's opening was never published
+    assert not any(p[:2] == (3, 4) for p in paths_of(src.propose(["opening"], rows=8)))
+
+
 def test_memory_is_bounded_and_old_answers_are_evicted():
     src = NgramSource(small(scope="per-key", max_keys=2, max_pooled=2, corpus_capacity=512))
     for k in range(5):
