@@ -49,7 +49,10 @@ RUN_NAMES = ("embedded", "sglang")
 TASK_LABELS = {"wild": "wild (not trained)"}
 METHOD_LABELS = {"ar": "AR", "auto": "GLANCE auto", "fixed": "GLANCE fixed", "chain": "chain",
                  "hf_greedy": "HF greedy", "hf_prompt_lookup": "HF prompt lookup",
-                 "none": "no speculation", "ngram": "NGRAM", "glance": "GLANCE auto", "glance-fixed": "GLANCE fixed"}
+                 "none": "no speculation", "ngram": "NGRAM", "glance": "GLANCE (drafter + n-gram)",
+                 "glance-fixed": "GLANCE fixed", "glance-drafter": "GLANCE drafter alone",
+                 "glance-ngram": "GLANCE n-gram alone", "glance+ngram": "GLANCE (drafter + n-gram)",
+                 "glance-off": "GLANCE, drafting off"}
 
 
 # --- formatting ---------------------------------------------------------------------------------------------
