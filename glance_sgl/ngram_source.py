@@ -362,12 +362,11 @@ class NgramSource:
         live = [b for b, k in enumerate(known) if k and budgets[b] > 1 and self.available]
         if live:
             self._lookup(rids, live, tries)
-        acc = acceptance or self._default_acceptance
-        tables = {hot: acc.log_table(SOURCE_NGRAM, hot) for hot in (False, True)}  # by the request's state
+        table = (acceptance or self._default_acceptance).log_table(SOURCE_NGRAM)
         packed = []
         for b, trie in enumerate(tries):
             if len(trie) > 1:
-                trie.rescore(tables[acc.is_hot(rids[b])], SOURCE_NGRAM)
+                trie.rescore(table, SOURCE_NGRAM)
             packed.append(trie.best_first(budgets[b] - 1))
         return pack_trees(packed, device)
 

@@ -548,7 +548,6 @@ class Planner:
         """Drop everything kept for request ``rid`` (it ended)."""
         self.requests.pop(rid, None)
         self.leads.pop(rid, None)
-        self.acceptance.forget(rid)
 
     def known(self) -> set:
         """Requests the planner keeps state for."""
@@ -678,7 +677,7 @@ class Planner:
         if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1:
             # per source and depth, from trees that hold other sources' nodes (the drafter's own trees calibrate
             # ``depth``; skipping them keeps a device-resident step free of host reads)
-            self.acceptance.observe(report.tree, report.walk.accepted_rows, report.rids)
+            self.acceptance.observe(report.tree, report.walk.accepted_rows)
         if report.lead_entropies is not None:
             # kept only where the next gate may read it (not while every request of a batch that did not draft is
             # paused or held back)

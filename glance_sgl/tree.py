@@ -18,9 +18,8 @@ tags: a merged tree is verified exactly like a drafter tree, so losslessness doe
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -411,15 +410,7 @@ class SourceAcceptance:
     conditional acceptance ``P(node taken | parent reached)``. Counts are decayed by ``decay`` per observed batch
     and start from a prior worth ``prior_weight`` nodes at ``prior_mean[k]`` (the last entry for higher ranks).
     A node's calibrated score is the sum of its path's log cells (``log_table`` and ``CandidateTrie.rescore``).
-
-    N-gram nodes are counted in two tables, by the request's state: *hot* when its previous round with n-gram
-    candidates took at least ``HOT_NODES`` of them (it is copying text the corpus holds: a repeated question, a
-    repeated phrase), else cold. A hot request's next continuation is far likelier to hold: its deep n-gram nodes
-    score high and the planner verifies them. ``observe(..., rids)`` keeps that state per request (``forget``).
     """
-
-    HOT_NODES = 2
-    MAX_REQUESTS = 4096  # requests whose hot state is kept (the least recently observed dropped beyond it)
 
     def __init__(self, max_depth: int = 16, ranks: int = 2, decay: float = 0.995,
                  prior_mean: Sequence[float] = (0.5, 0.1), prior_weight: float = 2.0,
@@ -434,32 +425,17 @@ class SourceAcceptance:
         self._prior_tries = torch.full((max_depth + 1, ranks), float(prior_weight), dtype=torch.float64)
         self.hits = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
         self.tries = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
-        self.hot_hits = torch.zeros(max_depth + 1, ranks, dtype=torch.float64)  # n-gram nodes of hot requests
-        self.hot_tries = torch.zeros(max_depth + 1, ranks, dtype=torch.float64)
-        self._hot: "OrderedDict[Hashable, bool]" = OrderedDict()
 
-    def probs(self, source: int, hot: bool = False) -> torch.Tensor:
-        """[max_depth + 1, ranks] float64 conditional acceptance of ``source`` (row 0 unused); ``hot``: of a hot
-        request's n-gram nodes."""
-        if hot and source == SOURCE_NGRAM:
-            return (self.hot_hits + self._prior_hits) / (self.hot_tries + self._prior_tries)
+    def probs(self, source: int) -> torch.Tensor:
+        """[max_depth + 1, ranks] float64 conditional acceptance of ``source`` (row 0 unused)."""
         return (self.hits[source] + self._prior_hits) / (self.tries[source] + self._prior_tries)
 
-    def log_table(self, source: int, hot: bool = False) -> list[list[float]]:
-        """``probs(source, hot)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore``."""
-        return self.probs(source, hot).log().tolist()
+    def log_table(self, source: int) -> list[list[float]]:
+        """``probs(source)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore``."""
+        return self.probs(source).log().tolist()
 
-    def is_hot(self, rid: Hashable) -> bool:
-        """Whether ``rid``'s last round with n-gram candidates took at least ``HOT_NODES`` of them."""
-        return self._hot.get(rid, False)
-
-    def forget(self, rid: Hashable) -> None:
-        self._hot.pop(rid, None)
-
-    def observe(self, tree: DraftTree, accepted_rows: torch.Tensor, rids: Sequence[Hashable] | None = None
-                ) -> None:
-        """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding);
-        ``rids``: the requests (their hot state picks the n-gram table and is updated; None: all cold).
+    def observe(self, tree: DraftTree, accepted_rows: torch.Tensor) -> None:
+        """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding).
 
         Host lists: a round's tree is a few dozen rows, where a loop over them costs less than the dozen tensor
         ops a vectorised count would."""
@@ -468,13 +444,9 @@ class SourceAcceptance:
         n, ranks, top = (self.max_depth + 1) * self.ranks, self.ranks, self.max_depth
         tries = {src: [0.0] * n for src in self.hits}
         hits = {src: [0.0] * n for src in self.hits}
-        hot_tries, hot_hits = [0.0] * n, [0.0] * n
-        for b, (tag_b, par_b, dep_b, acc_b) in enumerate(zip(tags, parents, depths, accepted)):
-            rid = None if rids is None else rids[b]
-            hot = rid is not None and self.is_hot(rid)
+        for tag_b, par_b, dep_b, acc_b in zip(tags, parents, depths, accepted):
             on_path = {r for r in acc_b if r >= 0}
             seen: dict[tuple[int, int], int] = {}  # (parent row, source): earlier siblings of that source
-            ngram_tried = ngram_taken = 0
             for i in range(1, len(par_b)):
                 p, tag = par_b[i], tag_b[i]
                 for src in tries:
@@ -484,23 +456,9 @@ class SourceAcceptance:
                     seen[(p, src)] = rank + 1
                     if p >= 0 and p in on_path:
                         cell = min(dep_b[i], top) * ranks + min(rank, ranks - 1)
-                        taken = i in on_path
-                        if src == SOURCE_NGRAM:
-                            ngram_tried += 1
-                            ngram_taken += taken
-                        if src == SOURCE_NGRAM and hot:
-                            hot_tries[cell] += 1.0
-                            hot_hits[cell] += taken
-                        else:
-                            tries[src][cell] += 1.0
-                            hits[src][cell] += taken
-            if rid is not None and ngram_tried:
-                self._hot[rid] = ngram_taken >= self.HOT_NODES
-                self._hot.move_to_end(rid)
-                if len(self._hot) > self.MAX_REQUESTS:
-                    self._hot.popitem(last=False)
-        self.hot_tries.mul_(self.decay).view(-1).add_(torch.tensor(hot_tries, dtype=torch.float64))
-        self.hot_hits.mul_(self.decay).view(-1).add_(torch.tensor(hot_hits, dtype=torch.float64))
+                        tries[src][cell] += 1.0
+                        if i in on_path:
+                            hits[src][cell] += 1.0
         for src in self.hits:
             self.tries[src].mul_(self.decay).view(-1).add_(torch.tensor(tries[src], dtype=torch.float64))
             self.hits[src].mul_(self.decay).view(-1).add_(torch.tensor(hits[src], dtype=torch.float64))

@@ -416,24 +416,3 @@ def test_merged_trees_are_lossless(seed):
     for prompt, spec, out in zip(prompts, SPECS, got):
         assert out == ar_decode(target, prompt, spec, n)
     assert accepted[SOURCE_NGRAM] + accepted[SOURCE_BOTH] > 0 and accepted[SOURCE_DRAFTER] > 0
-
-
-def test_acceptance_keeps_a_hot_table_for_requests_copying_the_corpus():
-    """A request whose last round took >= HOT_NODES n-gram nodes is hot: its next n-gram nodes are counted (and
-    scored) in their own table, so a request copying text the corpus holds gets its deep chains verified."""
-    chain = DraftTree(torch.tensor([[9, 1, 2, 3]]), torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[0, 1, 2, 3]]),
-                      torch.zeros(1, 4), torch.tensor([[SOURCE_NONE, SOURCE_NGRAM, SOURCE_NGRAM, SOURCE_NGRAM]]))
-    acc = SourceAcceptance(max_depth=3, ranks=1, decay=1.0)
-    assert not acc.is_hot("r")
-    acc.observe(chain, torch.tensor([[0, 1, 2, 3]]), ["r"])  # cold round, all three taken: now hot
-    assert acc.is_hot("r") and acc.tries[SOURCE_NGRAM][1:, 0].tolist() == [1, 1, 1]
-    acc.observe(chain, torch.tensor([[0, 1, 2, 3]]), ["r"])  # counted in the hot table
-    assert acc.hot_tries[1:, 0].tolist() == [1, 1, 1] and acc.tries[SOURCE_NGRAM][1:, 0].tolist() == [1, 1, 1]
-    acc.observe(chain, torch.tensor([[0, -1, -1, -1]]), ["r"])  # nothing taken: cold again
-    assert not acc.is_hot("r") and acc.hot_tries[1, 0] == 2 and acc.hot_hits[1, 0] == 1
-    assert acc.probs(SOURCE_NGRAM, hot=True)[1, 0] != acc.probs(SOURCE_NGRAM)[1, 0]
-    acc.observe(chain, torch.tensor([[0, 1, 2, 3]]), ["r"])
-    acc.forget("r")
-    assert not acc.is_hot("r")
-    acc.observe(chain, torch.tensor([[0, 1, 2, 3]]))  # without rids: every request cold, no state kept
-    assert not acc._hot
