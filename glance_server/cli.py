@@ -53,7 +53,9 @@ def draft_settings(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, st
             sources = check_draft_sources([n.strip() for n in args.draft_sources.split(",") if n.strip()])
         except ValueError as exc:
             _fail(f"--draft-sources {args.draft_sources!r}: {exc}")
-    default = ("drafter", "ngram") if args.backend == "sglang" else ("drafter",)  # the engines' defaults
+    from glance_sgl.sglang.settings import DEFAULT_DRAFT_SOURCES
+
+    default = DEFAULT_DRAFT_SOURCES if args.backend == "sglang" else ("drafter",)  # the engines' defaults
     if args.ngram_corpus is not None and "ngram" not in (sources or default):
         _fail("--ngram-corpus scopes the n-gram source's corpus: pass --draft-sources with ngram "
               "(e.g. --draft-sources drafter,ngram)")

@@ -201,8 +201,9 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
 
     ``max_depth``: the deepest node any source proposes (the walk's cap); ``device_resident``: the walk stays on
     the logits' device (``glance_sgl.verify.verify_tree``); ``on_walk``: called with the walk as soon as it is
-    known, before the KV keep and the sources' writes (SGLang's overlap scheduler publishes the new lengths there). Timings (wall ms) go to the planner in its report:
-    the sources' time (gate included), the target pass's, and the rest (choice, walk, keep, feeding the sources).
+    known, before the KV keep and the sources' writes (SGLang's overlap scheduler publishes the new lengths
+    there). Timings (wall ms) go to the planner in its report: the sources' time (gate included), the target
+    pass's, and the rest (choice, walk, keep, feeding the sources).
     """
     t0 = time.perf_counter()
     drafters = [s for s in sources if s.source_id == SOURCE_DRAFTER] if planner.speculates else []

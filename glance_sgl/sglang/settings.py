@@ -152,5 +152,5 @@ class WorkerSettings:
         return self.step == "device" or (self.step == "auto" and on_cuda)
 
 
-__all__ = ["DEFAULT_DRAFT_SOURCES", "PLANNER_ENV", "SettingsError", "WorkerSettings", "parse_draft_sources", "parse_planner",
-           "parse_widths"]
+__all__ = ["DEFAULT_DRAFT_SOURCES", "PLANNER_ENV", "SettingsError", "WorkerSettings", "parse_draft_sources",
+           "parse_planner", "parse_widths"]
