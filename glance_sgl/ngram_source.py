@@ -34,11 +34,12 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import torch
 
-from .tree import SOURCE_NGRAM, CandidateTrie, DraftTree, SourceAcceptance, _rows_per_request, pack_trees
+from .tree import SOURCE_NGRAM, CandidateTrie, DraftTree, HindsightTree, SourceAcceptance, _rows_per_request, pack_trees
 
 log = logging.getLogger(__name__)
 
 SCOPES = ("shared", "per-key", "off")
+MAX_PENDING = 8  # proposals per request awaiting hindsight labels; beyond it the oldest is labelled as far as known
 MATCH_TYPES = ("BFS", "PROB")
 PUBLISH = ("live", "finished")
 _ANON_KEY = ""  # per-key scope: requests without a key share this tenant's corpus
@@ -141,6 +142,8 @@ class _Request:
     answer: list[int] = field(default_factory=list)  # committed output, up to max_answer_tokens
     lead: list[int] = field(default_factory=list)  # the prompt's last tokens (since its last skip token): the
     # context the answer's first n-grams are published with
+    pending: list[HindsightTree] = field(default_factory=list)  # proposals awaiting their labels, oldest first
+    pending_at: int = -1  # ``total`` when the newest pending proposal was made (one per position)
 
 
 class NgramSource:
@@ -170,6 +173,7 @@ class NgramSource:
         self._pool: list[Any] = []
         self._corpora: OrderedDict[str, Any] = OrderedDict()  # cross-request corpora by key (shared: one, "")
         self._default_acceptance = SourceAcceptance(max_depth=self.settings.max_depth)
+        self._hindsight: SourceAcceptance | None = None  # the table proposals are labelled into (propose's)
         self.published_tokens = 0
         if self._cls is not None:
             try:  # the first NgramCorpus JIT-builds SGLang's C++ (tens of seconds once, cached on disk)
@@ -295,6 +299,27 @@ class NgramSource:
             if corpus is not None:
                 corpus.batch_put(windows)
                 self.published_tokens += published[key]
+        self._label(items)
+
+    def _label(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> None:
+        """Extends the pending proposals of the requests in ``items`` with their committed tokens and labels the
+        matured ones (and any beyond ``MAX_PENDING``) into the hindsight table, as one batch."""
+        if self._hindsight is None:
+            return
+        ready: list[HindsightTree] = []
+        for rid, tokens in items:
+            req = self._requests.get(rid)
+            if req is None or not req.pending or not tokens:
+                continue
+            keep = []
+            for tree in req.pending:
+                tree.future.extend(int(t) for t in tokens[:tree.depth - len(tree.future)])
+                (ready if tree.mature else keep).append(tree)
+            while len(keep) > MAX_PENDING:
+                ready.append(keep.pop(0))
+            req.pending = keep
+        if ready:
+            self._hindsight.observe_hindsight(SOURCE_NGRAM, ready)
 
     def finish(self, rid: Hashable, publish: bool = True) -> None:
         """``rid`` is done: its answer joins its cross-request corpus (``publish``, with ``publish="finished"``
@@ -303,6 +328,8 @@ class NgramSource:
         req = self._requests.pop(rid, None)
         if req is None:
             return
+        if self._hindsight is not None and req.pending:  # labelled as far as the answer went
+            self._hindsight.observe_hindsight(SOURCE_NGRAM, req.pending)
         if publish and self.settings.publish == "finished" and len(req.answer) > 1:
             corpus = self._cross(req.key, create=True)
             if corpus is not None:
@@ -363,12 +390,28 @@ class NgramSource:
         if live:
             self._lookup(rids, live, tries)
         table = (acceptance or self._default_acceptance).log_table(SOURCE_NGRAM)
+        label = acceptance is not None and SOURCE_NGRAM in acceptance.hindsight
+        if label:
+            self._hindsight = acceptance
         packed = []
         for b, trie in enumerate(tries):
             if len(trie) > 1:
-                trie.rescore(table, SOURCE_NGRAM)
+                ranks = trie.rescore(table, SOURCE_NGRAM)
+                if label:
+                    self._pend(self._requests[rids[b]], trie, ranks)
             packed.append(trie.best_first(budgets[b] - 1))
         return pack_trees(packed, device)
+
+    @staticmethod
+    def _pend(req: _Request, trie: CandidateTrie, ranks: list[int]) -> None:
+        """Keeps ``req``'s whole proposal (every node, verified or not) for its hindsight labels; a second
+        proposal from the same position replaces the first."""
+        tree = HindsightTree(list(trie.tokens), list(trie.parents), list(trie.depths), ranks)
+        if req.pending_at == req.total and req.pending:
+            req.pending[-1] = tree
+        else:
+            req.pending.append(tree)
+        req.pending_at = req.total
 
     def _lookup(self, rids: Sequence[Hashable], live: list[int], tries: list[CandidateTrie]) -> None:
         """Own-corpus and cross-request matches of the requests ``live`` (batch indices) into their tries."""
@@ -419,7 +462,9 @@ class NgramCandidates:
     A request the source has not seen is added from ``batch.tokens`` (all of them as its own corpus) with the key
     ``keys.get(rid)`` (``set_key``); without ``batch.tokens`` it gets root-only proposals. A request whose last
     token is not the batch's root (the engine dropped tokens at a stop) is re-added from ``batch.tokens``.
-    ``acceptance`` scores the nodes (default: the source's prior); the round should ``observe`` it.
+    ``acceptance`` scores the nodes (default: the source's prior); its ``SOURCE_NGRAM`` cells are learned in
+    hindsight (``SourceAcceptance.observe_hindsight``: every proposed node against what the request committed
+    next), not by the round's ``observe`` of the verified tree.
     """
 
     source_id = SOURCE_NGRAM
@@ -428,6 +473,17 @@ class NgramCandidates:
         self.source = source
         self.acceptance = acceptance
         self.keys: dict[Hashable, str] = {}
+
+    @property
+    def acceptance(self) -> SourceAcceptance | None:
+        """The table that scores this source's nodes and learns them in hindsight (None: the source's prior)."""
+        return self._acceptance
+
+    @acceptance.setter
+    def acceptance(self, table: SourceAcceptance | None) -> None:
+        if table is not None:
+            table.hindsight.add(SOURCE_NGRAM)
+        self._acceptance = table
 
     def set_key(self, rid: Hashable, key: str | None) -> None:
         """The API key / tenant of ``rid`` (``per-key`` scope), before its first round."""

@@ -18,7 +18,7 @@ tags: a merged tree is verified exactly like a drafter tree, so losslessness doe
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -284,23 +284,26 @@ class CandidateTrie:
                 continue
             node_of[r] = self.add(parent, tokens[r], scores[r], tags[r])
 
-    def rescore(self, log_table: Sequence[Sequence[float]], tag: int, ranks_from: int = 1) -> None:
+    def rescore(self, log_table: Sequence[Sequence[float]], tag: int, ranks_from: int = 1) -> list[int]:
         """Scores of every node tagged ``tag`` alone (e.g. n-gram nodes, which carry no probabilities) from a
         per-depth, per-sibling-rank table of conditional log-acceptance ``log_table[depth][rank]`` (depths and
         ranks beyond the table read its last entry): a node's score is its parent's plus its own entry, so scores
         never increase along a path. ``rank`` counts the earlier siblings carrying ``tag``. Nodes carrying other
-        bits too keep the best of their score and this one."""
+        bits too keep the best of their score and this one. Returns every node's rank (-1: not tagged ``tag``;
+        the root's -1), for ``SourceAcceptance.observe_hindsight``."""
         rank_seen = [0] * len(self.tokens)
+        ranks = [-1] * len(self.tokens)
         for node in range(1, len(self.tokens)):
             if not self.tags[node] & tag:
                 continue
             parent = self.parents[node]
-            rank = rank_seen[parent]
+            rank = ranks[node] = rank_seen[parent]
             rank_seen[parent] += 1
             row = log_table[min(self.depths[node], len(log_table) - 1)]
             score = self.scores[parent] + row[min(rank, len(row) - 1)]
             if self.tags[node] == tag or score > self.scores[node]:
                 self.scores[node] = score
+        return ranks
 
     def best_first(self, nodes: int) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
         """The best ``nodes`` nodes (fewer if the trie is smaller) packed as rows ``[root] + nodes``: tokens,
@@ -410,6 +413,12 @@ class SourceAcceptance:
     conditional acceptance ``P(node taken | parent reached)``. Counts are decayed by ``decay`` per observed batch
     and start from a prior worth ``prior_weight`` nodes at ``prior_mean[k]`` (the last entry for higher ranks).
     A node's calibrated score is the sum of its path's log cells (``log_table`` and ``CandidateTrie.rescore``).
+
+    A source in ``hindsight`` is labelled by ``observe_hindsight`` instead of ``observe``: every node it proposed,
+    verified or not, against the tokens the request committed afterwards. A verified tree only labels the nodes a
+    planner chose to verify, so cells it rarely verifies (deep n-gram nodes) keep their prior and stay unverified:
+    the estimate is biased by the choice it drives. The committed continuation is the target's own (greedy: the
+    same tokens whatever was verified; sampling: its samples), so hindsight labels are unbiased at every depth.
     """
 
     def __init__(self, max_depth: int = 16, ranks: int = 2, decay: float = 0.995,
@@ -425,6 +434,7 @@ class SourceAcceptance:
         self._prior_tries = torch.full((max_depth + 1, ranks), float(prior_weight), dtype=torch.float64)
         self.hits = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
         self.tries = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
+        self.hindsight: set[int] = set()  # sources labelled by observe_hindsight (see the class doc)
 
     def probs(self, source: int) -> torch.Tensor:
         """[max_depth + 1, ranks] float64 conditional acceptance of ``source`` (row 0 unused)."""
@@ -450,7 +460,7 @@ class SourceAcceptance:
             for i in range(1, len(par_b)):
                 p, tag = par_b[i], tag_b[i]
                 for src in tries:
-                    if not tag & src:
+                    if not tag & src or src in self.hindsight:
                         continue
                     rank = seen.get((p, src), 0)
                     seen[(p, src)] = rank + 1
@@ -460,5 +470,52 @@ class SourceAcceptance:
                         if i in on_path:
                             hits[src][cell] += 1.0
         for src in self.hits:
-            self.tries[src].mul_(self.decay).view(-1).add_(torch.tensor(tries[src], dtype=torch.float64))
-            self.hits[src].mul_(self.decay).view(-1).add_(torch.tensor(hits[src], dtype=torch.float64))
+            if src not in self.hindsight:
+                self._add(src, tries[src], hits[src])
+
+    def _add(self, source: int, tries: Sequence[float], hits: Sequence[float]) -> None:
+        """One batch's counts of ``source`` (flat ``[depth * ranks + rank]`` host lists), after one decay step."""
+        self.tries[source].mul_(self.decay).view(-1).add_(torch.tensor(tries, dtype=torch.float64))
+        self.hits[source].mul_(self.decay).view(-1).add_(torch.tensor(hits, dtype=torch.float64))
+
+    def observe_hindsight(self, source: int, trees: Sequence["HindsightTree"]) -> None:
+        """One round's matured proposals of ``source`` (each a :class:`HindsightTree` with the tokens committed
+        after it), as one decayed batch: a node is tried where its parent is on the committed path and its depth
+        within the known continuation, and hit where its token is the continuation's."""
+        n, ranks, top = (self.max_depth + 1) * self.ranks, self.ranks, self.max_depth
+        tries, hits = [0.0] * n, [0.0] * n
+        for t in trees:
+            future, known = t.future, len(t.future)
+            on_path = [True] + [False] * (len(t.tokens) - 1)
+            for i in range(1, len(t.tokens)):
+                d, rank = t.depths[i], t.ranks[i]
+                if rank < 0 or d > known or not on_path[t.parents[i]]:
+                    continue
+                cell = min(d, top) * ranks + min(rank, ranks - 1)
+                tries[cell] += 1.0
+                if t.tokens[i] == future[d - 1]:
+                    on_path[i] = True
+                    hits[cell] += 1.0
+        self._add(source, tries, hits)
+
+
+@dataclass
+class HindsightTree:
+    """A proposed candidate trie awaiting its labels (``SourceAcceptance.observe_hindsight``): its nodes' tokens,
+    parents (every parent before its children; node 0 the root), depths and sibling ranks (-1: not the labelled
+    source's), and ``future``: the tokens committed after its root so far."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    ranks: list[int]
+    future: list[int] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def mature(self) -> bool:
+        """Whether every node's depth lies within the known continuation."""
+        return len(self.future) >= self.depth

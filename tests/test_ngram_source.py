@@ -278,3 +278,31 @@ def test_merged_with_the_drafter_under_one_budget():
     tags = {p: t for p, (_, t) in tree_paths(merged, 0).items()}
     assert tags[(6,)] == tags[(6, 7)] == SOURCE_DRAFTER | SOURCE_NGRAM and tags[(3,)] == SOURCE_DRAFTER
     assert merged.num_rows == 6
+
+
+def test_proposals_are_labelled_in_hindsight_beyond_the_verified_rows():
+    """Deep n-gram nodes are learned even when the round verifies one row of them: every proposed node is
+    labelled against the tokens committed after it (the planner's choice does not bias the table)."""
+    src = NgramSource(small(scope="off"))
+    cands = NgramCandidates(src, SourceAcceptance(max_depth=6, decay=1.0))
+    acc = cands.acceptance
+    assert SOURCE_NGRAM in acc.hindsight
+    src.add_request("r", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1])
+    tree = src.propose(["r"], rows=2, acceptance=acc)  # one candidate verified: 2
+    assert tree.num_rows == 2 and tree.tokens[0, 1].item() == 2
+    src.propose(["r"], rows=2, acceptance=acc)  # the same position again: one pending proposal, not two
+    for tok in (2, 3, 4, 5, 6, 9):  # the chain 2..6 comes true, then 9 breaks it
+        src.commit("r", [tok])
+    tries, hits = acc.tries[SOURCE_NGRAM], acc.hits[SOURCE_NGRAM]
+    assert tries[1, 0] == 1 and hits[1, 0] == 1
+    assert tries[2:6, 0].tolist() == [1, 1, 1, 1] and hits[2:6, 0].tolist() == [1, 1, 1, 1]
+    assert tries[6, 0] == 1 and hits[6, 0] == 0  # depth 6 predicted 1, the target said 9
+    assert acc.probs(SOURCE_NGRAM)[5, 0] > acc.probs(SOURCE_NGRAM)[6, 0]
+    # a request that ends labels its pending proposals as far as its answer went
+    src.commit("r", [1])
+    src.propose(["r"], rows=2, acceptance=acc)
+    before = tries.sum().item()
+    src.commit("r", [2])
+    assert tries.sum().item() == before  # not mature yet: its deeper nodes wait for their tokens
+    src.finish("r")
+    assert tries.sum().item() > before

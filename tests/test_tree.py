@@ -18,6 +18,7 @@ from glance_sgl.tree import (
     SOURCE_NONE,
     CandidateTrie,
     DraftTree,
+    HindsightTree,
     SourceAcceptance,
     accepted_per_source,
     ancestor_mask,
@@ -307,6 +308,34 @@ def test_acceptance_learns_per_source_depth_and_rank():
     assert counts[SOURCE_DRAFTER].tolist() == [2] and counts[SOURCE_NGRAM].tolist() == [1]
     with pytest.raises(ValueError):
         SourceAcceptance(prior_mean=(1.5,))
+
+
+def test_hindsight_labels_every_proposed_node_against_the_committed_tokens():
+    # root 9 -> 1 (rank 0) -> 2 -> 3; root -> 4 (rank 1) -> 5; committed after the root: 1, 2, 7
+    tree = HindsightTree(tokens=[9, 1, 4, 2, 5, 3], parents=[-1, 0, 0, 1, 2, 3], depths=[0, 1, 1, 2, 2, 3],
+                         ranks=[-1, 0, 1, 0, 0, 0])
+    assert tree.depth == 3 and not tree.mature
+    tree.future = [1, 2, 7]
+    assert tree.mature
+    acc = SourceAcceptance(max_depth=3, ranks=2, decay=1.0)
+    acc.observe_hindsight(SOURCE_NGRAM, [tree])
+    t, h = acc.tries[SOURCE_NGRAM], acc.hits[SOURCE_NGRAM]
+    assert t[1].tolist() == [1, 1] and h[1].tolist() == [1, 0]  # 1 taken, 4 not
+    assert t[2].tolist() == [1, 0] and h[2].tolist() == [1, 0]  # 2 (under 1) taken; 5's parent was never reached
+    assert t[3].tolist() == [1, 0] and h[3].tolist() == [0, 0]  # 3 tried against 7
+    # a partial continuation labels only the depths it reaches
+    short = HindsightTree([9, 1, 2], [-1, 0, 1], [0, 1, 2], [-1, 0, 0], future=[1])
+    acc.observe_hindsight(SOURCE_NGRAM, [short])
+    assert t[1].tolist() == [2, 1] and t[2].tolist() == [1, 0]
+
+
+def test_verified_trees_do_not_count_for_a_hindsight_source():
+    tree = DraftTree(torch.tensor([[9, 1, 2]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]),
+                     torch.zeros(1, 3), torch.tensor([[SOURCE_NONE, SOURCE_DRAFTER, SOURCE_NGRAM]]))
+    acc = SourceAcceptance(max_depth=2, decay=1.0)
+    acc.hindsight.add(SOURCE_NGRAM)
+    acc.observe(tree, torch.tensor([[0, 2]]))
+    assert acc.tries[SOURCE_NGRAM].sum() == 0 and acc.tries[SOURCE_DRAFTER][1, 0] == 1
 
 
 class TableTarget:
