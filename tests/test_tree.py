@@ -445,3 +445,25 @@ def test_merged_trees_are_lossless(seed):
     for prompt, spec, out in zip(prompts, SPECS, got):
         assert out == ar_decode(target, prompt, spec, n)
     assert accepted[SOURCE_NGRAM] + accepted[SOURCE_BOTH] > 0 and accepted[SOURCE_DRAFTER] > 0
+
+
+def test_rescore_in_order_keeps_the_sources_proposal_order():
+    """A source's own ranking (SGLang's BFS: its longest match's chain first) survives rescoring with
+    ``in_order``: best_first(n) takes the first n proposed nodes, where the depth/rank table alone would prefer
+    shallow siblings; the chosen rows are still prefix-closed and scores never increase along them."""
+    table = [[0.0, 0.0]] + [[-0.1, -0.15]] * 8  # deep rank-0 cells cost more in sum than a depth-1 rank-1 one
+    def trie():
+        t = CandidateTrie(0)
+        node = 0
+        for tok in (1, 2, 3, 4):  # the chain, proposed first
+            node = t.add(node, tok, 0.0, SOURCE_NGRAM)
+        t.add(0, 9, 0.0, SOURCE_NGRAM)  # a sibling at depth 1, proposed last
+        return t
+    plain, ordered = trie(), trie()
+    plain.rescore(table, SOURCE_NGRAM)
+    ordered.rescore(table, SOURCE_NGRAM, in_order=True)
+    assert plain.best_first(3)[0] == [0, 1, 9, 2]
+    tokens, parents, depths, scores, _ = ordered.best_first(3)
+    assert tokens == [0, 1, 2, 3] and parents == [-1, 0, 1, 2]
+    assert all(a >= b for a, b in zip(scores[1:], scores[2:]))
+    assert ordered.best_first(5)[0] == [0, 1, 2, 3, 4, 9]

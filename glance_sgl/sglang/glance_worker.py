@@ -178,7 +178,7 @@ class GlanceWorker(BaseSpecWorker):
         if "ngram" in self.draft_sources:
             # prompt ids SGLang replaced by multimodal pad values (outside the vocabulary) are never matched
             ngram = NgramSource(NgramSettings(scope=self.settings.ngram_corpus, max_depth=self.max_depth,
-                                              max_nodes=self.budget, skip_tokens=(-1,)))
+                                              skip_tokens=(-1,)))
             if not ngram.available:
                 raise ValueError(ngram.reason)
             self.ngram = NgramCandidates(ngram, getattr(self.planner, "acceptance", None))
