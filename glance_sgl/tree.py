@@ -511,17 +511,17 @@ class SourceAcceptance:
 class HindsightTree:
     """A proposed candidate trie awaiting its labels (``SourceAcceptance.observe_hindsight``): its nodes' tokens,
     parents (every parent before its children; node 0 the root), depths and sibling ranks (-1: not the labelled
-    source's), and ``future``: the tokens committed after its root so far."""
+    source's), and ``future``: the tokens committed after its root so far. ``depth``: its deepest node's."""
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
     ranks: list[int]
     future: list[int] = field(default_factory=list)
+    depth: int = field(init=False)
 
-    @property
-    def depth(self) -> int:
-        return max(self.depths)
+    def __post_init__(self) -> None:
+        self.depth = max(self.depths)  # read on every commit while the tree is pending: computed once
 
     @property
     def mature(self) -> bool:
