@@ -404,8 +404,8 @@ class EntropyTable:
 class RequestPlanState:
     """What the planner keeps per request: what its drafting rounds accepted, and its probe back-off.
 
-    ``recent_accepted`` / ``recent_rounds``: accepted drafts and drafted rounds, both decayed by ``RECENT`` every
-    round (AR rounds too, so a long spell without drafting leaves little of what came before); ``tree_ratio``:
+    ``recent_accepted`` / ``recent_rounds``: drafts the drafter's rounds accepted beyond what the round without it
+    would have (``RoundReport.alone``) and drafted rounds, both decayed by ``RECENT`` every round (AR rounds too, so a long spell without drafting leaves little of what came before); ``tree_ratio``:
     actual / tree-predicted accepted drafts (the tree-size choice's correction); ``paused``: drafting is off until
     a probe pays; ``ar_streak``: consecutive rounds without drafting; ``probe_interval``: rounds without drafting
     before the next probe; ``drafted_rounds``: rounds that ran the drafter (a request's first one is a probe:
@@ -472,7 +472,10 @@ class RoundReport:
     produced each request's bonus token (the next lead entropies; None keeps the current ones); ``drafter_ms`` /
     ``pass_ms`` / ``host_ms``: the candidate sources' time, the target pass's, and the round's other host work
     (choice, walk, KV keep, feeding the sources), wall ms; None where not measured (the cost model is left as it
-    is).
+    is). ``alternative`` / ``alone``: in a drafting round that merged other sources' candidates, the round without
+    the drafter that the gate weighed it against (``choose`` with ``drafter_ran=False``) and the drafted nodes per
+    request that round alone would have accepted (``glance_sgl.tree.accepted_alone``): the drafter is credited
+    with what it added, not with what the other sources found anyway.
     """
 
     rids: Sequence[Hashable]
@@ -485,6 +488,8 @@ class RoundReport:
     drafter_ms: float | None = None
     pass_ms: float | None = None
     host_ms: float | None = None
+    alternative: "Plan | None" = None
+    alone: Sequence[int] | None = None
 
     @property
     def batch(self) -> int:
@@ -565,8 +570,8 @@ class Planner:
 
     # ------------------------------------------------------------ step 1: draft or not
     def predicted_accept(self, rid: object, lead_entropy: float | None) -> float:
-        """Accepted drafts expected from drafting now, before the drafter pass: what the request's own recent
-        drafting rounds accepted, with the entropy table's value at ``lead_entropy`` as a prior worth
+        """Accepted drafts expected from drafting now beyond the round without the drafter, before the drafter
+        pass: what the request's own recent drafting rounds added, with the entropy table's value at ``lead_entropy`` as a prior worth
         ``PRIOR_ROUNDS`` rounds (all there is for a request that has not drafted yet)."""
         st = self.state(rid)
         prior = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
@@ -601,11 +606,12 @@ class Planner:
         """Whether the batch's expected tokens per ms of a drafting round beat the round without the drafter
         (``alternative``, else an AR step) by ``margin``: at the tree size the batch last chose (whose rounds the
         acceptance record comes from), or the fixed budget. A drafting round also verifies the alternative's
-        candidates, so each request expects at least what the alternative gives it."""
+        candidates, and the record holds what the drafter added over them (``RoundReport.alone``), so each request
+        expects the alternative's tokens plus that."""
         bs = len(rids)
         tree_round = alternative is not None and alternative.nodes > 0
         other = alternative.expected_tokens if tree_round else [1.0] * bs
-        expected = sum(max(1.0 + self.predicted_accept(r, h), o) for r, h, o in zip(rids, lead_entropies, other))
+        expected = sum(o + self.predicted_accept(r, h) for r, h, o in zip(rids, lead_entropies, other))
         last = max((st.last_nodes for st in states), default=-1)
         ref = self.fixed_nodes if last <= 0 else min(last, self.fixed_nodes)
         if tree_round:
@@ -698,20 +704,26 @@ class Planner:
         if tree is not None and walk is not None and plan.nodes > 0 and getattr(tree, "sources", None) is None:
             self.depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
         bs = report.batch
-        round_ms, ar_ms = self.costs.round_ms(plan.nodes, bs), self.costs.ar_ms(bs)
+        round_ms = self.costs.round_ms(plan.nodes, bs)
+        # the round drafting had to beat: the other sources' round, or an AR step
+        rival = report.alternative if report.alternative is not None and report.alone is not None else None
+        rival_ms = self.costs.ar_ms(bs) if rival is None else \
+            self.costs.verify_ms(rival.nodes + 1, bs) + self.costs.overhead_ms
+        alone = [0] * bs if rival is None else report.alone
         raw = plan.raw_accept or [0.0] * bs
-        for r, h, a, pred in zip(report.rids, lead_entropies, report.accepted, raw):
+        for r, h, a, s, pred in zip(report.rids, lead_entropies, report.accepted, alone, raw):
             st = self.state(r)
-            a = float(a)
+            a, s = float(a), float(s)
+            gain = max(a - s, 0.0)  # what the drafter added over the rival round's own acceptance
             if plan.nodes > 0 and h is not None:
-                self.entropy.observe(h, a)
+                self.entropy.observe(h, gain)
                 st.tree_actual = TREND * st.tree_actual + a
                 st.tree_pred = TREND * st.tree_pred + float(pred)
             st.decay()
-            st.recent_accepted += a
+            st.recent_accepted += gain
             st.recent_rounds += 1.0
-            # did drafting pay for this request (its share of the batch's round against its share of AR)?
-            paid = (1.0 + a) / round_ms > self.margin / ar_ms
+            # did drafting pay for this request (its share of the batch's round against its share of the rival's)?
+            paid = (1.0 + a) / round_ms > self.margin * (1.0 + s) / rival_ms
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
                 self.starts_paid = START_DECAY * self.starts_paid + float(paid)

@@ -35,7 +35,7 @@ import torch
 
 from .metrics import entropy_tensor
 from .planner import CostModel, Plan, RoundReport, calibrate
-from .tree import SOURCE_DRAFTER, DraftTree, merge_trees
+from .tree import SOURCE_DRAFTER, DraftTree, accepted_alone, merge_trees
 from .verify import SamplingSpec, WalkResult, verify_tree
 
 
@@ -173,12 +173,15 @@ def lead_rows(logits: torch.Tensor, walk: WalkResult) -> torch.Tensor:
     return logits[torch.arange(logits.shape[0], device=dev), last]
 
 
-def round_numbers(walk: WalkResult, lead: torch.Tensor) -> tuple[list[int], list[float]]:
+def round_numbers(walk: WalkResult, lead: torch.Tensor, alone: torch.Tensor | None = None
+                  ) -> tuple[list[int], list[float], list[int] | None]:
     """What the planner learns from a round, read to the host at once (one read, wherever the walk ran): accepted
-    nodes per request and the lead entropies (nats) of ``lead`` [bs, V]."""
+    nodes per request, the lead entropies (nats) of ``lead`` [bs, V] and, where given, ``alone`` [bs] (what the
+    round without the drafter would have accepted, ``glance_sgl.tree.accepted_alone``)."""
     h = entropy_tensor(lead)
-    accepted, entropies = torch.stack([walk.accept_lens.to(h.device, h.dtype), h]).tolist()
-    return [int(a) for a in accepted], entropies
+    rows = [walk.accept_lens.to(h.device, h.dtype), h] + ([] if alone is None else [alone.to(h.device, h.dtype)])
+    host = torch.stack(rows).tolist()
+    return [int(a) for a in host[0]], host[1], None if alone is None else [int(a) for a in host[2]]
 
 
 def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int, max_depth: int | None = None
@@ -243,12 +246,16 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         target.keep(tree, walk)
     for source in sources:
         source.commit(batch, out.taps, walk)
-    accepted, lead = round_numbers(walk, lead_rows(out.logits, walk))
+    # what the round the drafter had to beat would have accepted on its own (its share of this round's tokens)
+    rival = drafting and alternative is not None and alternative.nodes > 0
+    alone = accepted_alone(fallback.prefix(alternative.nodes + 1), walk.committed_tokens) if rival else None
+    accepted, lead, alone_host = round_numbers(walk, lead_rows(out.logits, walk), alone)
     t4 = time.perf_counter()
     # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
     report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if active else None,
                          walk if active else None, lead, drafter_ms=1000.0 * (t1 - t0),
-                         pass_ms=1000.0 * (t3 - t2), host_ms=1000.0 * ((t2 - t1) + (t4 - t3)))
+                         pass_ms=1000.0 * (t3 - t2), host_ms=1000.0 * ((t2 - t1) + (t4 - t3)),
+                         alternative=alternative if rival else None, alone=alone_host)
     planner.report(report)
     return RoundResult(tree, walk, plan, out, report, time.perf_counter())
 

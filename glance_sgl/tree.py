@@ -413,6 +413,25 @@ def accepted_per_source(tree: DraftTree, accepted_rows: torch.Tensor) -> dict[in
     return {src: ((taken & src) != 0).sum(dim=1) for src in SOURCE_NAMES}
 
 
+def accepted_alone(tree: DraftTree, committed_tokens: torch.Tensor) -> torch.Tensor:
+    """[B] long: the drafted nodes a walk of ``tree`` alone would have accepted, given what a round over a larger
+    tree committed (``committed_tokens`` [B, D+1], -1 padding: ``WalkResult.committed_tokens``): the depth of
+    ``tree``'s deepest node whose path is a prefix of those tokens. Exact for greedy and seeded sampling alike,
+    since the target's choice after a path does not depend on the tree around it; a path longer than what was
+    committed is cut there (what the target would have done past it is unknown). On the tree's device, no host
+    read (the loop runs over rows, not over values)."""
+    tok, dep = tree.tokens, tree.depths
+    committed = committed_tokens.to(tok.device)
+    width = committed.shape[1]
+    at_depth = committed.gather(1, (dep - 1).clamp(0, width - 1))
+    on_path = (tok == at_depth) & (dep >= 1) & (dep <= width) & (at_depth >= 0)
+    on_path[:, 0] = True
+    parents = tree.parents.clamp(min=0)
+    for _ in range(min(tree.num_rows - 1, width)):  # a node is on the path when its parent is: one level per pass
+        on_path = on_path & on_path.gather(1, parents)
+    return torch.where(on_path, dep, 0).max(dim=1).values
+
+
 class SourceAcceptance:
     """Online estimates of how often the target takes a node of each source, per depth and per sibling rank.
 

@@ -20,6 +20,7 @@ from glance_sgl.tree import (
     DraftTree,
     HindsightTree,
     SourceAcceptance,
+    accepted_alone,
     accepted_per_source,
     ancestor_mask,
     build_tree,
@@ -467,3 +468,27 @@ def test_rescore_in_order_keeps_the_sources_proposal_order():
     assert tokens == [0, 1, 2, 3] and parents == [-1, 0, 1, 2]
     assert all(a >= b for a, b in zip(scores[1:], scores[2:]))
     assert ordered.best_first(5)[0] == [0, 1, 2, 3, 4, 9]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_accepted_alone_is_what_a_walk_of_the_smaller_tree_accepts(seed):
+    """What the n-gram tree alone would have accepted, read off a merged round's committed tokens, equals what a
+    walk of that tree alone accepts (greedy and seeded sampling), cut at what the merged round committed."""
+    rng = random.Random(seed)
+    target = TableTarget(vocab=6, seed=seed, sharpness=3.0)
+    acc = SourceAcceptance(max_depth=6)
+    checked = 0
+    for _ in range(12):
+        ctxs = [[rng.randrange(6) for _ in range(rng.randint(4, 14))] for _ in SPECS]
+        index = torch.tensor([rng.randrange(50) for _ in SPECS])
+        alone_tree = lookup_tree(ctxs, rng.choice([2, 4, 8]), acc)
+        merged = merge_trees([noisy_drafter_tree(target, ctxs, rng), alone_tree], rng.choice([3, 9, 17]))
+        big = verify_tree(merged.tokens, merged.parents, merged.depths, target.tree_logits(ctxs, merged), index,
+                          SPECS)
+        small = verify_tree(alone_tree.tokens, alone_tree.parents, alone_tree.depths,
+                            target.tree_logits(ctxs, alone_tree), index, SPECS)
+        got = accepted_alone(alone_tree, big.committed_tokens)
+        expect = torch.minimum(small.accept_lens, big.accept_lens + 1)
+        assert got.tolist() == expect.tolist()
+        checked += int((expect > 0).sum())
+    assert checked > 0  # the n-gram trees were taken now and then: the check is not vacuous
