@@ -710,8 +710,9 @@ class Planner:
         rival_ms = self.costs.ar_ms(bs) if rival is None else \
             self.costs.verify_ms(rival.nodes + 1, bs) + self.costs.overhead_ms
         alone = [0] * bs if rival is None else report.alone
+        rival_tokens = [1.0] * bs if rival is None else rival.expected_tokens
         raw = plan.raw_accept or [0.0] * bs
-        for r, h, a, s, pred in zip(report.rids, lead_entropies, report.accepted, alone, raw):
+        for r, h, a, s, o, pred in zip(report.rids, lead_entropies, report.accepted, alone, rival_tokens, raw):
             st = self.state(r)
             a, s = float(a), float(s)
             gain = max(a - s, 0.0)  # what the drafter added over the rival round's own acceptance
@@ -723,7 +724,14 @@ class Planner:
             st.recent_accepted += gain
             st.recent_rounds += 1.0
             # did drafting pay for this request (its share of the batch's round against its share of the rival's)?
-            paid = (1.0 + a) / round_ms > self.margin * (1.0 + s) / rival_ms
+            # Against an AR step, this round's tokens say. Against the other sources' round, what it commits
+            # depends on how lucky their matches were this round (the same luck on both sides), so the drafter's
+            # expected gain, this round now in the request's record, is weighed against that round's expected
+            # tokens: one round whose gain happened to be small does not pause a request the drafter serves well
+            if rival is None:
+                paid = (1.0 + a) / round_ms > self.margin / rival_ms
+            else:
+                paid = (o + self.predicted_accept(r, h)) / round_ms > self.margin * o / rival_ms
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
                 self.starts_paid = START_DECAY * self.starts_paid + float(paid)
