@@ -33,6 +33,8 @@ def source_counts(tree: "DraftTree", walk: "WalkResult") -> list[dict[str, tuple
     accepted rows (``walk.accepted_rows`` [bs, W] tree rows, -1 padding, column 0 the root, which no source
     proposed) with that tag. An untagged tree (``sources`` None: the drafter alone) is all drafter nodes; a
     root-only tree (an AR step) verified nothing of any source. The one place these counts are made."""
+    if tree.num_rows == 1:  # an AR step: no tensor work (most rounds where drafting does not pay)
+        return [dict.fromkeys(SOURCE_KEYS, (False, 0)) for _ in range(tree.batch_size)]
     tags = tree.source_tags()
     rows = walk.accepted_rows.to(tags.device)
     taken = torch.where(rows > 0, tags.gather(1, rows.clamp(min=0)), 0)
