@@ -569,12 +569,15 @@ class Planner:
         return self.leads.get(rid)
 
     # ------------------------------------------------------------ step 1: draft or not
-    def predicted_accept(self, rid: object, lead_entropy: float | None) -> float:
+    def predicted_accept(self, rid: object, lead_entropy: float | None, prior_cap: float | None = None) -> float:
         """Accepted drafts expected from drafting now beyond the round without the drafter, before the drafter
         pass: what the request's own recent drafting rounds added, with the entropy table's value at ``lead_entropy`` as a prior worth
-        ``PRIOR_ROUNDS`` rounds (all there is for a request that has not drafted yet)."""
+        ``PRIOR_ROUNDS`` rounds (all there is for a request that has not drafted yet); ``prior_cap``: the prior
+        counts up to this value only."""
         st = self.state(rid)
         prior = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
+        if prior_cap is not None:
+            prior = min(prior, prior_cap)
         return (PRIOR_ROUNDS * prior + st.recent_accepted) / (PRIOR_ROUNDS + st.recent_rounds)
 
     @property
@@ -727,11 +730,13 @@ class Planner:
             # Against an AR step, this round's tokens say. Against the other sources' round, what it commits
             # depends on how lucky their matches were this round (the same luck on both sides), so the drafter's
             # expected gain, this round now in the request's record, is weighed against that round's expected
-            # tokens: one round whose gain happened to be small does not pause a request the drafter serves well
+            # tokens: a round the matches happened to find as well (a template opening) does not pause a request
+            # the drafter serves well. The entropy table's prior counts only up to what this round accepted: it
+            # was learned on other traffic, and a round that accepted little is this request's evidence against it
             if rival is None:
                 paid = (1.0 + a) / round_ms > self.margin / rival_ms
             else:
-                paid = (o + self.predicted_accept(r, h)) / round_ms > self.margin * o / rival_ms
+                paid = (o + self.predicted_accept(r, h, prior_cap=a)) / round_ms > self.margin * o / rival_ms
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
                 self.starts_paid = START_DECAY * self.starts_paid + float(paid)
