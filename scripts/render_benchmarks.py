@@ -54,6 +54,9 @@ METHOD_LABELS = {"ar": "AR", "auto": "GLANCE auto", "fixed": "GLANCE fixed", "ch
                  "glance-ngram": "GLANCE n-gram alone", "glance+ngram": "GLANCE (drafter + n-gram)",
                  "glance-off": "GLANCE, drafting off"}
 
+# the embedded bench's methods: its "ngram" is GLANCE's own n-gram source alone (SGLang's NGRAM runs in the SGLang
+# bench only), "merged" the drafter and that source in one tree
+EMBEDDED_LABELS = {**METHOD_LABELS, "ngram": "n-gram alone", "merged": "drafter + n-gram"}
 
 # --- formatting ---------------------------------------------------------------------------------------------
 
@@ -106,7 +109,7 @@ def render_embedded(report: dict[str, Any], run: dict[str, Any]) -> str:
              f"{report['branch_k']}, block {report['block_size']}, up to {report['max_tokens']} new tokens, "
              f"{report['limit']} prompts per task, greedy.", "",
              "Decode speedup over the engine's AR path (totals over each task's prompts):", ""]
-    head = ["task", *[METHOD_LABELS.get(m, m) for m in methods]]
+    head = ["task", *[EMBEDDED_LABELS.get(m, m) for m in methods]]
     if "auto" in methods:
         head += ["auto tau", "auto round / AR step", "auto rounds without drafting"]
     if "fixed" in methods:
@@ -126,12 +129,12 @@ def render_embedded(report: dict[str, Any], run: dict[str, Any]) -> str:
     lines += _table(head, rows)
     lines.append("")
     if report.get("geomean"):
-        geo = ", ".join(f"{METHOD_LABELS.get(m, m)} {_x(g['decode_speedup'])}" for m, g in report["geomean"].items())
+        geo = ", ".join(f"{EMBEDDED_LABELS.get(m, m)} {_x(g['decode_speedup'])}" for m, g in report["geomean"].items())
         lines.append(f"Geometric mean of the decode speedup over the {len(report['geomean_tasks'])} demo tasks: "
-                     f"{geo}; end to end (prefill included) {METHOD_LABELS.get(report['glance_method'])} "
+                     f"{geo}; end to end (prefill included) {EMBEDDED_LABELS.get(report['glance_method'])} "
                      f"{_x(report['geomean_e2e_speedup'])}.")
     if report.get("wild"):
-        wild = ", ".join(f"{METHOD_LABELS.get(m, m)} {_x(v)}" for m, v in report["wild"].items())
+        wild = ", ".join(f"{EMBEDDED_LABELS.get(m, m)} {_x(v)}" for m, v in report["wild"].items())
         lines.append(f"`wild` (not trained, not in the geomean): {wild}.")
     law = report.get("law") or {}
     if "b0" in law:
@@ -146,7 +149,7 @@ def render_embedded(report: dict[str, Any], run: dict[str, Any]) -> str:
     rows = []
     for task, s in report["tasks"].items():
         for j, (m, v) in enumerate(s["methods"].items()):
-            rows.append([_task_name(task) if j == 0 else "", METHOD_LABELS.get(m, m), _num(v["tau"]),
+            rows.append([_task_name(task) if j == 0 else "", EMBEDDED_LABELS.get(m, m), _num(v["tau"]),
                          _num(v["tau_minus_1"]), _num(v["decode_ms_per_token"]), _x(v["decode_speedup"]),
                          _x(v["e2e_speedup"]), _num(v["round_cost_ar_steps"]), _num(v["efficiency"]),
                          _num(v["lossless_match_rate"]), _num(v["mean_rows_per_round"]),
@@ -181,6 +184,10 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
              f"flight) leaves the prefill out.", ""]
     head, rows = _sglang_rows(report)
     lines += _table(head, rows)
+    rows_per = ", ".join(f"{METHOD_LABELS.get(r['method'], r['method'])} {r['rows_per_step']:.1f}"
+                         for r in report["methods"] if r.get("rows_per_step") is not None)
+    if rows_per:
+        lines += ["", f"Rows verified per request and decode step, over the whole run: {rows_per}."]
     starts = ", ".join(f"{METHOD_LABELS.get(r['method'], r['method'])} {r['startup_s']:.0f} s"
                        for r in report["methods"] if r.get("startup_s") is not None)
     if starts:

@@ -19,9 +19,9 @@ backend and runner are swapped in for the pass, as SGLang's ``apply_runtime_stat
 target). A verify input carries its width (``num_tokens_per_req``), so a width without graphs runs eagerly:
 ``DecodeCudaGraphRunner.can_run_graph`` refuses a width other than its own.
 
-Overlap scheduling stays off: GLANCE is registered with ``supports_overlap=False`` because its step decides on
-the host, from the previous step's accept lengths and lead entropies, whether and how much to draft (the
-planner); SGLang's overlap path needs the next step's shape before the current one finishes.
+Under SGLang's overlap scheduler (GLANCE registers ``supports_overlap=True``) the host still picks each step's
+width before the pass, from the accept lengths and lead entropies of the step before (the planner), so the pass
+runs at the captured width that pick snaps to; docs/sglang.md ("Overlap scheduling: the V2 flow").
 """
 
 from __future__ import annotations
