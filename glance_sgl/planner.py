@@ -405,8 +405,9 @@ class RequestPlanState:
     """What the planner keeps per request: what its drafting rounds accepted, and its probe back-off.
 
     ``recent_accepted`` / ``recent_rounds``: drafts the drafter's rounds accepted beyond what the round without it
-    would have (``RoundReport.alone``) and drafted rounds, both decayed by ``RECENT`` every round (AR rounds too, so a long spell without drafting leaves little of what came before); ``tree_ratio``:
-    actual / tree-predicted accepted drafts (the tree-size choice's correction); ``paused``: drafting is off until
+    would have (``RoundReport.alone``) and drafted rounds, both decayed by ``RECENT`` every round (AR rounds too,
+    so a long spell without drafting leaves little of what came before); ``tree_ratio``: actual / tree-predicted
+    accepted drafts (the tree-size choice's correction); ``paused``: drafting is off until
     a probe pays; ``ar_streak``: consecutive rounds without drafting; ``probe_interval``: rounds without drafting
     before the next probe; ``drafted_rounds``: rounds that ran the drafter (a request's first one is a probe:
     nothing is known about it yet); ``hold``: AR rounds before the first drafting round (set at the request's
@@ -571,9 +572,9 @@ class Planner:
     # ------------------------------------------------------------ step 1: draft or not
     def predicted_accept(self, rid: object, lead_entropy: float | None, prior_cap: float | None = None) -> float:
         """Accepted drafts expected from drafting now beyond the round without the drafter, before the drafter
-        pass: what the request's own recent drafting rounds added, with the entropy table's value at ``lead_entropy`` as a prior worth
-        ``PRIOR_ROUNDS`` rounds (all there is for a request that has not drafted yet); ``prior_cap``: the prior
-        counts up to this value only."""
+        pass: what the request's own recent drafting rounds added, with the entropy table's value at
+        ``lead_entropy`` as a prior worth ``PRIOR_ROUNDS`` rounds (all there is for a request that has not drafted
+        yet); ``prior_cap``: the prior counts up to this value only."""
         st = self.state(rid)
         prior = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
         if prior_cap is not None:
