@@ -42,6 +42,7 @@ SCOPES = ("shared", "per-key", "off")
 MAX_PENDING = 8  # proposals per request awaiting hindsight labels; beyond it the oldest is labelled as far as known
 MATCH_TYPES = ("BFS", "PROB")
 PUBLISH = ("live", "finished")
+_CHAIN = "\x00chain"  # suffix of a request's match-state id for its chains' continuations
 _ANON_KEY = ""  # per-key scope: requests without a key share this tenant's corpus
 
 _IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
@@ -341,7 +342,8 @@ class NgramSource:
                 self.published_tokens += len(req.answer)
         corpus = self._cross(req.key, create=False)
         if corpus is not None:
-            corpus.erase_match_state([str(rid)])
+            corpus.erase_match_state([str(rid), chain_state(str(rid))])  # its lookups' and its chains' continuations'
+
         if len(self._pool) < self.settings.max_pooled:
             req.own.synchronize()
             req.own.reset()
@@ -365,9 +367,9 @@ class NgramSource:
                 device: torch.device | str = "cpu", strict: bool = True) -> DraftTree:
         """N-gram candidate trees for the requests ``rids`` (in batch order).
 
-        ``rows``: rows per request, root included (one int or one per request; at most ``2 * max_nodes + 1`` are
-        ever filled). ``acceptance``: the calibration that scores the nodes (``SourceAcceptance``; its
-        ``SOURCE_NGRAM`` cells), else the source's own prior table. ``roots``: the requests' last committed
+        ``rows``: rows per request, root included (one int or one per request). ``acceptance``: the calibration
+        that scores the nodes (``SourceAcceptance``; its ``SOURCE_NGRAM`` cells), else the source's own prior
+        table. ``roots``: the requests' last committed
         tokens, checked against what the source was told (None: taken from it; a mismatch raises, or with
         ``strict=False`` gives that request the root alone). Returns a DraftTree [B, W]
         (W <= max(rows)) tagged ``SOURCE_NGRAM`` with scores = estimated log-probability that the walk reaches
@@ -420,46 +422,109 @@ class NgramSource:
     def _lookup(self, rids: Sequence[Hashable], live: list[int], tries: list[CandidateTrie]) -> None:
         """Cross-request and own-corpus matches of the requests ``live`` (batch indices) into their tries, in that
         order (the order ``best_first`` keeps: the cross-request corpus holds the request's own answer too, as
-        SGLang's NGRAM corpus does; its own corpus adds the prompt). Every lookup's packed tree is decoded in one
-        array pass over the batch (per-lookup numpy calls cost more than the lookups at 8 rows)."""
+        SGLang's NGRAM corpus does; its own corpus adds the prompt).
+
+        A lookup returns at most ``max_nodes`` candidates. Where they form one chain (a long match with a single
+        continuation: a replayed answer, a quoted passage) the corpus is asked again from the chain's end, and the
+        continuation joins the tree under it, until ``max_depth``: verbatim copies are drafted as deep as the
+        drafter's block, not ``max_nodes`` deep."""
         s = self.settings
-        d = s.max_nodes + 1
         reqs = [self._requests[rids[b]] for b in live]
+        queries: list[_Query] = []
         by_key: dict[str, list[int]] = {}
         for i, req in enumerate(reqs):
             by_key.setdefault(req.key, []).append(i)
-        found: list[tuple[int, np.ndarray, np.ndarray]] = []  # (batch index, [n * d] tokens, [n * d * d] mask)
         for key, members in by_key.items():
             corpus = self._cross(key, create=False)
-            if corpus is None:
-                continue
-            corpus.synchronize()
-            ids, mask = corpus.batch_get([str(rids[live[i]]) for i in members], [reqs[i].tail for i in members],
-                                         [reqs[i].total for i in members])
-            found += [(live[i], ids[j * d:(j + 1) * d], mask[j * d * d:(j + 1) * d * d]) for j, i in enumerate(members)]
-        for b, req in zip(live, reqs):
-            req.own.synchronize()
-            ids, mask = req.own.batch_get([str(rids[b])], [req.tail], [req.total])
-            found.append((b, ids, mask))
-        if found:
-            self._add_matches(tries, found, d)
+            if corpus is not None:
+                queries += [_Query(live[i], corpus, str(rids[live[i]]), reqs[i].tail, reqs[i].total) for i in members]
+        queries += [_Query(b, req.own, str(rids[b]), req.tail, req.total) for b, req in zip(live, reqs)]
+        for i, q in enumerate(queries):
+            q.order = (i,)
+        found: list[tuple[int, int, list[int], list[int], list[int]]] = []  # (order, batch index, tokens, ...)
+        while queries:
+            chains: list[_Query] = []
+            for q, (tok, par, dep) in zip(queries, self._match(queries)):
+                found.append((q.order, q.b, q.prefix + tok[1:], q.parents + [p + len(q.prefix) - 1 for p in par[1:]],
+                              q.depths + [x + q.depth for x in dep[1:]]))
+                if len(tok) == s.max_nodes + 1 and dep[-1] == s.max_nodes and q.depth + s.max_nodes < s.max_depth:
+                    chains.append(q.extend(tok, s.max_trie_depth))
+            queries = chains
+        found.sort(key=lambda f: f[0])
+        for _, b, tok, par, dep in found:
+            tries[b].add_tree(tok, par, [0.0] * len(tok), [SOURCE_NGRAM] * len(tok), s.max_depth)
 
-    def _add_matches(self, tries: list[CandidateTrie], found: list[tuple[int, np.ndarray, np.ndarray]],
-                     d: int) -> None:
-        """Lookups' packed trees (SGLang's ``[d]`` tokens, root first, and ``[d * d]`` ancestor mask, padded with
-        token-0 children of the root) into the tries of their batch indices, in ``found``'s order."""
-        tokens = np.stack([ids for _, ids, _ in found]).tolist()  # [n, d]
-        m = np.stack([mask for _, _, mask in found]).reshape(len(found), d, d).astype(bool)
+    def _match(self, queries: Sequence["_Query"]) -> list[tuple[list[int], list[int], list[int]]]:
+        """Every query's lookup, one ``batch_get`` per corpus, decoded in one array pass over all of them (per-lookup
+        numpy calls cost more than the lookups at 8 rows): per query its tree's tokens, parent rows and depths
+        (row 0 the root, SGLang's padding dropped; the root alone where nothing matched)."""
+        d = self.settings.max_nodes + 1
+        groups: dict[int, list[int]] = {}
+        for i, q in enumerate(queries):
+            groups.setdefault(id(q.corpus), []).append(i)
+        ids_of: list[np.ndarray] = [None] * len(queries)  # type: ignore[list-item]
+        mask_of: list[np.ndarray] = [None] * len(queries)  # type: ignore[list-item]
+        for members in groups.values():
+            corpus = queries[members[0]].corpus
+            corpus.synchronize()
+            ids, mask = corpus.batch_get([queries[i].state for i in members], [queries[i].context for i in members],
+                                         [queries[i].total for i in members])
+            for j, i in enumerate(members):
+                ids_of[i], mask_of[i] = ids[j * d:(j + 1) * d], mask[j * d * d:(j + 1) * d * d]
+        tokens = np.stack(ids_of).tolist()  # [n, d]
+        m = np.stack(mask_of).reshape(len(queries), d, d).astype(bool)
         order = np.arange(d)
         ancestors = m & (order[None, None, :] < order[None, :, None])
         parents = np.where(ancestors.any(-1), (ancestors * order).argmax(-1), -1).tolist()
         depths = (m.sum(-1) - 1).tolist()
-        for (b, _, _), tok, par, dep in zip(found, tokens, parents, depths):
+        out = []
+        for tok, par, dep in zip(tokens, parents, depths):
             n = d
             while n > 1 and dep[n - 1] == 1 and tok[n - 1] == 0:  # SGLang's padding (a real token 0 at the
                 n -= 1  # tail, childless at depth 1, is dropped with it: one candidate less, nothing wrong)
-            if n > 1:
-                tries[b].add_tree(tok[:n], par[:n], [0.0] * n, [SOURCE_NGRAM] * n, self.settings.max_depth)
+            out.append((tok[:n], par[:n], dep[:n]))
+        return out
+
+
+def chain_state(state: str) -> str:
+    """The match-state id of the continuation lookups of the request whose lookups use ``state``."""
+    return state if state.endswith(_CHAIN) else state + _CHAIN
+
+
+@dataclass
+class _Query:
+    """One corpus lookup of a proposal: batch index ``b``, the ``corpus`` and its match-state id ``state``, the
+    ``context`` (the last ``max_trie_depth`` tokens) and the tokens so far ``total``; a chain's continuation also
+    carries the rows above it (``prefix`` tokens, ``parents``, ``depths``: the original root to the chain's end, the
+    continuation's root) and its place among the proposal's lookups (``order``: it joins the tree right after the
+    lookup it continues)."""
+
+    b: int
+    corpus: Any
+    state: str
+    context: list[int]
+    total: int
+    prefix: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    order: tuple = ()
+
+    def __post_init__(self) -> None:
+        if not self.prefix:
+            self.prefix = [self.context[-1]]
+
+    @property
+    def depth(self) -> int:
+        """The depth of this lookup's root in the proposal."""
+        return self.depths[-1]
+
+    def extend(self, chain: list[int], context_len: int) -> "_Query":
+        """The lookup of the continuation of ``chain`` (this lookup's result: its root, then one token per depth)
+        from its last ``context_len`` tokens, under a match state of its own (:func:`chain_state`)."""
+        n, k = len(self.prefix), len(chain) - 1
+        return _Query(self.b, self.corpus, chain_state(self.state), (self.context + chain[1:])[-context_len:],
+                      self.total + k, self.prefix + chain[1:], self.parents + list(range(n - 1, n + k - 1)),
+                      self.depths + [self.depth + j for j in range(1, k + 1)], self.order + (1,))
 
 
 class NgramCandidates:

@@ -67,6 +67,10 @@ EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request draft
 TREND = 0.95  # decay per drafted round of a request's tree-prediction sums: ~20 rounds (per-round acceptance is noisy)
 RECENT = 0.97  # decay per round (AR rounds too) of what a request's drafting rounds accepted: ~30 rounds of memory
 PRIOR_ROUNDS = 1.0  # weight, in rounds, of the entropy table's value in a request's expected acceptance
+# Accepted drafts the round without the drafter (n-gram matches) expects: the bins of the drafter's gain tables.
+# What the drafter adds depends on what the matches already cover: little over a long confident match (a replayed
+# answer), much where there is none. One entropy table per bin, so traffic of one kind does not set the other's prior
+RIVAL_EDGES = (0.5, 2.0, 4.0)
 
 
 # ---------------------------------------------------------------------------------------------------- costs
@@ -519,7 +523,7 @@ class Planner:
     margin: float = 1.02  # drafting must beat AR by this factor, so noise does not make it flap
     row_menu: list[int] | None = None
     depth: DepthCalibration = field(init=False)
-    entropy: EntropyTable = field(init=False)
+    gains: list[EntropyTable] = field(init=False)  # the drafter's gain by lead entropy, one per RIVAL_EDGES bin
     requests: dict[object, RequestPlanState] = field(default_factory=dict)
     # per request: the entropy (nats) of the target distribution that produced its newest token, None where no
     # gate will read it (kept apart from ``requests``, whose entry a request gets at its first gate)
@@ -537,7 +541,7 @@ class Planner:
             raise ValueError(f"planner must be one of {PLANNER_MODES}, got {self.mode!r}")
         self.fixed_nodes = self.max_nodes if self.fixed_nodes is None else min(self.fixed_nodes, self.max_nodes)
         self.depth = DepthCalibration(self.max_depth)
-        self.entropy = EntropyTable(self.max_depth)
+        self.gains = [EntropyTable(self.max_depth) for _ in range(len(RIVAL_EDGES) + 1)]
         self.acceptance = SourceAcceptance(max_depth=max(self.max_depth, 1))
 
     # ------------------------------------------------------------ per request
@@ -570,13 +574,20 @@ class Planner:
         return self.leads.get(rid)
 
     # ------------------------------------------------------------ step 1: draft or not
-    def predicted_accept(self, rid: object, lead_entropy: float | None, prior_cap: float | None = None) -> float:
+    def gain_table(self, rival_tokens: float) -> EntropyTable:
+        """The entropy table of the drafter's gain where the round without it expects ``rival_tokens`` committed
+        tokens per request (1.0: an AR step, nothing proposed)."""
+        return self.gains[bisect.bisect_right(RIVAL_EDGES, rival_tokens - 1.0)]
+
+    def predicted_accept(self, rid: object, lead_entropy: float | None, prior_cap: float | None = None,
+                         rival_tokens: float = 1.0) -> float:
         """Accepted drafts expected from drafting now beyond the round without the drafter, before the drafter
-        pass: what the request's own recent drafting rounds added, with the entropy table's value at
-        ``lead_entropy`` as a prior worth ``PRIOR_ROUNDS`` rounds (all there is for a request that has not drafted
-        yet); ``prior_cap``: the prior counts up to this value only."""
+        pass: what the request's own recent drafting rounds added, with the gain table's value at
+        ``lead_entropy`` (the table of ``rival_tokens``: what that round expects to commit) as a prior worth
+        ``PRIOR_ROUNDS`` rounds (all there is for a request that has not drafted yet); ``prior_cap``: the prior
+        counts up to this value only."""
         st = self.state(rid)
-        prior = self.entropy.expected(lead_entropy if lead_entropy is not None else 0.0)
+        prior = self.gain_table(rival_tokens).expected(lead_entropy if lead_entropy is not None else 0.0)
         if prior_cap is not None:
             prior = min(prior, prior_cap)
         return (PRIOR_ROUNDS * prior + st.recent_accepted) / (PRIOR_ROUNDS + st.recent_rounds)
@@ -615,7 +626,8 @@ class Planner:
         bs = len(rids)
         tree_round = alternative is not None and alternative.nodes > 0
         other = alternative.expected_tokens if tree_round else [1.0] * bs
-        expected = sum(o + self.predicted_accept(r, h) for r, h, o in zip(rids, lead_entropies, other))
+        expected = sum(o + self.predicted_accept(r, h, rival_tokens=o)
+                       for r, h, o in zip(rids, lead_entropies, other))
         last = max((st.last_nodes for st in states), default=-1)
         ref = self.fixed_nodes if last <= 0 else min(last, self.fixed_nodes)
         if tree_round:
@@ -721,7 +733,7 @@ class Planner:
             a, s = float(a), float(s)
             gain = max(a - s, 0.0)  # what the drafter added over the rival round's own acceptance
             if plan.nodes > 0 and h is not None:
-                self.entropy.observe(h, gain)
+                self.gain_table(o).observe(h, gain)
                 st.tree_actual = TREND * st.tree_actual + a
                 st.tree_pred = TREND * st.tree_pred + float(pred)
             st.decay()
@@ -737,7 +749,8 @@ class Planner:
             if rival is None:
                 paid = (1.0 + a) / round_ms > self.margin / rival_ms
             else:
-                paid = (o + self.predicted_accept(r, h, prior_cap=a)) / round_ms > self.margin * o / rival_ms
+                paid = (o + self.predicted_accept(r, h, prior_cap=a, rival_tokens=o)) / round_ms > \
+                    self.margin * o / rival_ms
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
                 self.starts_paid = START_DECAY * self.starts_paid + float(paid)

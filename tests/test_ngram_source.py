@@ -306,3 +306,29 @@ def test_proposals_are_labelled_in_hindsight_beyond_the_verified_rows():
     assert tries.sum().item() == before  # not mature yet: its deeper nodes wait for their tokens
     src.finish("r")
     assert tries.sum().item() > before
+
+
+@pytest.mark.parametrize("scope", ["shared", "off"])
+def test_a_long_verbatim_copy_is_proposed_deeper_than_one_lookup(scope):
+    """A lookup returns at most ``max_nodes`` candidates; where they are one chain the corpus is asked again from
+    its end, so a replayed answer (shared corpus) or a passage copied from the prompt (own corpus) is drafted down
+    to ``max_depth``, as one path under the budget, while a lookup that branches is not continued."""
+    passage = list(range(100, 130))
+    src = NgramSource(small(scope=scope, max_nodes=4, max_depth=13))
+    if scope == "shared":
+        answer(src, "first", None, passage)
+        src.add_request("copy", [1, 2, 3])
+    else:
+        src.add_request("copy", [1, 2] + passage + [3])
+    src.commit("copy", passage[:2])
+    tree = src.propose(["copy"], rows=32)
+    check_tree_invariants(tree)
+    assert tuple(passage[2:15]) in paths_of(tree)  # 13 deep: three lookups of 4
+    assert int(tree.depths.max()) == 13
+    src.finish("copy")
+    # two continuations of the same context: the lookup branches, nothing to continue
+    src = NgramSource(small(scope="off", max_nodes=4, max_depth=13))
+    src.add_request("fork", [7, 8, 1, 2, 10, 11, 12, 13, 14, 7, 8, 1, 2, 30, 31, 32, 33, 34, 7, 8, 1, 2])
+    tree = src.propose(["fork"], rows=32)
+    check_tree_invariants(tree)
+    assert {p[:2] for p in paths_of(tree)} >= {(10, 11), (30, 31)} and int(tree.depths.max()) <= 4

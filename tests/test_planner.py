@@ -397,3 +397,29 @@ def test_candidates_without_the_drafter_pass_cost_no_drafter_time_and_leave_its_
     assert planner.state("a").last_nodes == drafted.nodes
     assert sum(planner.expected_accept(tree.scores, tree.depths, tags)[0]) > sum(
         planner.expected_accept(tree.scores, tree.depths)[0])
+
+
+def test_the_drafters_gain_is_learned_apart_where_the_matches_already_cover_the_block():
+    """Where the n-gram round expects most of the block (a replayed answer) the drafter adds nothing; where it
+    finds nothing the drafter adds six drafts a round. The gains are learned per bin of the n-gram round's
+    expectation: the gate passes up the drafter over a long match and keeps it where matches are missing."""
+    from glance_sgl.planner import Plan
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+    tree = random_tree(5, 15, sharp=8.0)
+    matched = Plan(7, [8.0], drafted=False)  # the n-gram round: a 7-node chain it expects to be accepted
+    for i in range(40):
+        planner.begin(f"fresh{i}", 0.01)
+        planner.begin(f"replay{i}", 0.01)
+        plan = planner.choose([f"fresh{i}"], tree.scores, tree.depths)  # no match: the drafter adds 6
+        planner.report(RoundReport([f"fresh{i}"], plan, plan.nodes + 1, [6], None, None, [0.01]))
+        plan = planner.choose([f"replay{i}"], tree.scores, tree.depths)  # the matches found all it found
+        planner.report(RoundReport([f"replay{i}"], plan, plan.nodes + 1, [7], None, None, [0.01],
+                                   alternative=matched, alone=[7]))
+    assert planner.gain_table(8.0).expected(0.01) < 0.5 < 5.0 < planner.gain_table(1.0).expected(0.01)
+    planner.begin("new-replay", 0.01)
+    planner.begin("new-fresh", 0.01)
+    planner.state("new-replay").hold = planner.state("new-fresh").hold = 0
+    assert planner.predicted_accept("new-replay", 0.01, rival_tokens=8.0) < 0.5
+    assert not planner._pays(["new-replay"], [0.01], [planner.state("new-replay")], matched)
+    assert planner._pays(["new-fresh"], [0.01], [planner.state("new-fresh")], None)
