@@ -71,6 +71,7 @@ PRIOR_ROUNDS = 1.0  # weight, in rounds, of the entropy table's value in a reque
 # What the drafter adds depends on what the matches already cover: little over a long confident match (a replayed
 # answer), much where there is none. One entropy table per bin, so traffic of one kind does not set the other's prior
 RIVAL_EDGES = (0.5, 2.0, 4.0)
+PROBE_OPTIMISM = 2.0  # a due probe runs where the drafter's gain could be this many times what its gain table expects
 
 
 # ---------------------------------------------------------------------------------------------------- costs
@@ -606,35 +607,55 @@ class Planner:
         if self.mode == "off":
             return False
         states = [self.state(r) for r in rids]
-        due = [st for st in states if st.probe_due]
+        leads = [self.leads.get(r) for r in rids]
+        due = [b for b, st in enumerate(states) if st.probe_due]
         # a probe: a request's drafting may pay (again); the tree size still gets chosen. In a batch the whole
         # batch pays for it, so a probe waits until half the batch's are due (or an explorer's is), unless the
-        # batch's drafting pays anyway; every request of a drafted batch is probed by it
-        if due and (2 * len(due) >= len(states) or any(st.explorer and st.drafted_rounds == 0 for st in due)):
-            return True
+        # batch's drafting pays anyway; every request of a drafted batch is probed by it. Where n-gram matches
+        # cover part of the block, a due request counts only where drafting could pay over them: where the
+        # drafter's gain, at PROBE_OPTIMISM times what its gain table expects, reaches what this batch's drafting
+        # round needs (probing requests whose matches already cover the block costs a drafter pass for nothing),
+        # or once it has waited MAX_PROBE_INTERVAL rounds
+        if due:
+            other, round_ms, rate = self._stakes(states, alternative)
+            need = self.margin * rate * round_ms / len(states) - sum(other) / len(states)
+            worth = [b for b in due if other[b] - 1.0 < RIVAL_EDGES[0] or states[b].ar_streak >= MAX_PROBE_INTERVAL
+                     or (states[b].explorer and states[b].drafted_rounds == 0) or PROBE_OPTIMISM
+                     * self.gain_table(other[b]).expected(leads[b] if leads[b] is not None else 0.0) >= need]
+            if worth and (2 * len(worth) >= len(states) or
+                          any(states[b].explorer and states[b].drafted_rounds == 0 for b in worth)):
+                return True
         if all(st.drafting_off for st in states):
             return False
-        return self._pays(rids, [self.leads.get(r) for r in rids], states, alternative)
+        return self._pays(rids, leads, states, alternative)
 
-    def _pays(self, rids: Sequence[object], lead_entropies: Sequence[float | None],
-              states: Sequence[RequestPlanState], alternative: "Plan | None" = None) -> bool:
-        """Whether the batch's expected tokens per ms of a drafting round beat the round without the drafter
-        (``alternative``, else an AR step) by ``margin``: at the tree size the batch last chose (whose rounds the
-        acceptance record comes from), or the fixed budget. A drafting round also verifies the alternative's
-        candidates, and the record holds what the drafter added over them (``RoundReport.alone``), so each request
-        expects the alternative's tokens plus that."""
-        bs = len(rids)
+    def _stakes(self, states: Sequence[RequestPlanState], alternative: "Plan | None" = None
+                ) -> tuple[list[float], float, float]:
+        """What drafting this batch is weighed against: the tokens per request the round without the drafter
+        expects (``alternative``, else an AR step: 1 each), a drafting round's ms (at the tree size the batch last
+        chose, whose rounds the acceptance record comes from, or the fixed budget) and that round's tokens per
+        ms."""
+        bs = len(states)
         tree_round = alternative is not None and alternative.nodes > 0
-        other = alternative.expected_tokens if tree_round else [1.0] * bs
-        expected = sum(o + self.predicted_accept(r, h, rival_tokens=o)
-                       for r, h, o in zip(rids, lead_entropies, other))
+        other = list(alternative.expected_tokens) if tree_round else [1.0] * bs
         last = max((st.last_nodes for st in states), default=-1)
         ref = self.fixed_nodes if last <= 0 else min(last, self.fixed_nodes)
         if tree_round:
             rate = sum(other) / (self.costs.verify_ms(alternative.nodes + 1, bs) + self.costs.overhead_ms)
         else:
             rate = bs / self.costs.ar_ms(bs)
-        return expected / self.costs.round_ms(ref, bs) > self.margin * rate
+        return other, self.costs.round_ms(ref, bs), rate
+
+    def _pays(self, rids: Sequence[object], lead_entropies: Sequence[float | None],
+              states: Sequence[RequestPlanState], alternative: "Plan | None" = None) -> bool:
+        """Whether the batch's expected tokens per ms of a drafting round beat the round without the drafter
+        (``alternative``, else an AR step) by ``margin`` (:meth:`_stakes`). A drafting round also verifies the
+        alternative's candidates, and the record holds what the drafter added over them (``RoundReport.alone``),
+        so each request expects the alternative's tokens plus that."""
+        other, round_ms, rate = self._stakes(states, alternative)
+        expected = sum(o + self.predicted_accept(r, h, rival_tokens=o)
+                       for r, h, o in zip(rids, lead_entropies, other))
+        return expected / round_ms > self.margin * rate
 
     def skip(self, rids: Sequence[object]) -> Plan:
         """Record a round without drafting (an AR step for every request of the batch). A request that was

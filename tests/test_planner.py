@@ -423,3 +423,11 @@ def test_the_drafters_gain_is_learned_apart_where_the_matches_already_cover_the_
     assert planner.predicted_accept("new-replay", 0.01, rival_tokens=8.0) < 0.5
     assert not planner._pays(["new-replay"], [0.01], [planner.state("new-replay")], matched)
     assert planner._pays(["new-fresh"], [0.01], [planner.state("new-fresh")], None)
+    # a probe due over such matches is not worth a drafter pass (the gain table expects too little even at
+    # PROBE_OPTIMISM times its value); with no match it runs
+    for rid in ("new-replay", "new-fresh"):
+        st = planner.state(rid)
+        st.explorer, st.ar_streak = False, MIN_PROBE_INTERVAL
+        assert st.probe_due
+    assert not planner.gate(["new-replay"], matched)
+    assert planner.gate(["new-fresh"], None)
