@@ -71,12 +71,6 @@ PRIOR_ROUNDS = 1.0  # weight, in rounds, of the entropy table's value in a reque
 # What the drafter adds depends on what the matches already cover: little over a long confident match (a replayed
 # answer), much where there is none. One entropy table per bin, so traffic of one kind does not set the other's prior
 RIVAL_EDGES = (0.5, 2.0, 4.0)
-# The n-gram matches of a request the drafter serves propose while what they add to the drafter's trees (accepted
-# drafts the drafter's tree did not hold) is worth MATCHES_FLOOR drafts a round, and again every MATCHES_RECHECK
-# rounds: their lookups, scoring and merge are host work on every round, for nothing on grounded answers the drafter
-# already covers. A request's record (decayed by MATCHES_DECAY per merged round) is read against the record over all
-# requests (decayed by MATCHES_DECAY_ALL, worth MATCHES_PRIOR rounds): answers are often shorter than a record
-MATCHES_FLOOR, MATCHES_DECAY, MATCHES_DECAY_ALL, MATCHES_PRIOR, MATCHES_RECHECK = 0.2, 0.8, 0.95, 2.0, 8
 PROBE_OPTIMISM = 2.0  # a due probe runs where the drafter's gain could be this many times what its gain table expects
 
 
@@ -436,9 +430,6 @@ class RequestPlanState:
     drafted_rounds: int = 0
     hold: int = 0
     explorer: bool = False  # one of the new requests that probe at once however rarely first rounds pay
-    matches_gain: float = 0.0  # decayed drafts the n-gram matches added to the drafter's trees ...
-    matches_rounds: float = 0.0  # ... over this many (decayed) merged rounds
-    matches_idle: int = 0  # rounds since the matches last proposed for this request
 
     @property
     def probe_due(self) -> bool:
@@ -490,8 +481,7 @@ class RoundReport:
     is). ``alternative`` / ``alone``: in a drafting round that merged other sources' candidates, the round without
     the drafter that the gate weighed it against (``choose`` with ``drafter_ran=False``) and the drafted nodes per
     request that round alone would have accepted (``glance_sgl.tree.accepted_alone``): the drafter is credited
-    with what it added, not with what the other sources found anyway. ``drafter_alone``: in such a round, what
-    the drafter's tree alone would have accepted: what the other sources added to it (:meth:`Planner.matches_due`).
+    with what it added, not with what the other sources found anyway.
     """
 
     rids: Sequence[Hashable]
@@ -506,7 +496,6 @@ class RoundReport:
     host_ms: float | None = None
     alternative: "Plan | None" = None
     alone: Sequence[int] | None = None
-    drafter_alone: Sequence[int] | None = None
 
     @property
     def batch(self) -> int:
@@ -547,9 +536,6 @@ class Planner:
     starts_paid: float = 1.0
     starts: float = 1.0
     new_requests: int = 0
-    # ... and of what n-gram matches added to the drafter's trees per merged round (a prior of paying rounds)
-    matches_gain: float = 2.0 * MATCHES_FLOOR
-    matches_rounds: float = 2.0
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
@@ -611,27 +597,6 @@ class Planner:
     def speculates(self) -> bool:
         """False for mode "off": no candidate source proposes, every round is a plain AR step."""
         return self.mode != "off"
-
-    def matches_due(self, rids: Sequence[object]) -> bool:
-        """Whether the sources without a model pass (n-gram matches) propose for this batch: where any of its
-        requests wants them (:meth:`_matches_pay`; always in mode "fixed"). Counts a round
-        without them for each request."""
-        states = [self.state(r) for r in rids]
-        if self.mode == "fixed" or any(self._matches_pay(st) for st in states):
-            return True
-        for st in states:
-            st.matches_idle += 1
-        return False
-
-    def _matches_pay(self, st: RequestPlanState) -> bool:
-        """Whether n-gram matches should propose for a request: always where the drafter is not drafting for it
-        (they are the round then), while they add ``MATCHES_FLOOR`` drafts a round to the drafter's trees (its
-        record read against the record over all requests) and every ``MATCHES_RECHECK`` rounds."""
-        if st.drafting_off or st.paused or st.matches_idle >= MATCHES_RECHECK:
-            return True
-        overall = self.matches_gain / self.matches_rounds
-        gain = (MATCHES_PRIOR * overall + st.matches_gain) / (MATCHES_PRIOR + st.matches_rounds)
-        return gain >= MATCHES_FLOOR
 
     def gate(self, rids: Sequence[object], alternative: "Plan | None" = None) -> bool:
         """Whether this batch runs the drafter, from each request's lead entropy and record. Cheap: no tensor
@@ -753,14 +718,6 @@ class Planner:
         leads = [self.leads.get(r) for r in report.rids]
         if report.drafted:
             self._observe_accepts(report, leads)
-        if report.drafter_alone is not None:  # a merged round: what the matches added to the drafter's tree
-            for r, a, d in zip(report.rids, report.accepted, report.drafter_alone):
-                st, gain = self.state(r), max(float(a) - float(d), 0.0)
-                st.matches_gain = MATCHES_DECAY * st.matches_gain + gain
-                st.matches_rounds = MATCHES_DECAY * st.matches_rounds + 1.0
-                st.matches_idle = 0
-                self.matches_gain = MATCHES_DECAY_ALL * self.matches_gain + gain
-                self.matches_rounds = MATCHES_DECAY_ALL * self.matches_rounds + 1.0
         if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1:
             # per source and depth, from trees that hold other sources' nodes (the drafter's own trees calibrate
             # ``depth``; skipping them keeps a device-resident step free of host reads)
@@ -852,9 +809,6 @@ class AlwaysDraft:
     def __init__(self, max_nodes: int) -> None:
         self.max_nodes = max_nodes
 
-    def matches_due(self, rids: Sequence[object]) -> bool:
-        return True
-
     def gate(self, rids: Sequence[object], alternative: Plan | None = None) -> bool:
         return True
 
@@ -882,18 +836,14 @@ class AlwaysDraft:
 
 
 class RandomPlanner(Planner):
-    """A test policy: each batch's n-gram matches (where there is that source) propose with probability 3/4, it
-    drafts with probability 2/3 and then verifies a random number of nodes (0 .. max), otherwise runs the matches'
-    round or a plain AR step; seeded. Lossless must hold whatever a planner picks, since every
+    """A test policy: each batch drafts with probability 2/3 and then verifies a random number of nodes
+    (0 .. max), otherwise runs a plain AR step; seeded. Lossless must hold whatever a planner picks, since every
     prefix of a best-first tree (the root alone included) is a valid tree. Feedback and costs are recorded as
     usual."""
 
     def __init__(self, *args, seed: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rng = random.Random(seed)
-
-    def matches_due(self, rids) -> bool:
-        return self.rng.random() < 3 / 4
 
     def gate(self, rids, alternative: Plan | None = None) -> bool:
         return self.rng.random() < 2 / 3

@@ -121,8 +121,6 @@ class RoundPolicy(Protocol):
     max_nodes: int
     speculates: bool  # False: no source proposes (every round a plain AR step)
 
-    def matches_due(self, rids: Sequence[Hashable]) -> bool: ...
-
     def gate(self, rids: Sequence[Hashable], alternative: Plan | None = None) -> bool: ...
 
     def skip(self, rids: Sequence[Hashable]) -> Plan: ...
@@ -175,18 +173,15 @@ def lead_rows(logits: torch.Tensor, walk: WalkResult) -> torch.Tensor:
     return logits[torch.arange(logits.shape[0], device=dev), last]
 
 
-def round_numbers(walk: WalkResult, lead: torch.Tensor, *counts: torch.Tensor | None
-                  ) -> tuple[list[int], list[float], list[list[int] | None]]:
+def round_numbers(walk: WalkResult, lead: torch.Tensor, alone: torch.Tensor | None = None
+                  ) -> tuple[list[int], list[float], list[int] | None]:
     """What the planner learns from a round, read to the host at once (one read, wherever the walk ran): accepted
-    nodes per request, the lead entropies (nats) of ``lead`` [bs, V] and each of ``counts`` [bs] given (None:
-    not computed this round), e.g. what the round without the drafter would have accepted
-    (``glance_sgl.tree.accepted_alone``)."""
+    nodes per request, the lead entropies (nats) of ``lead`` [bs, V] and, where given, ``alone`` [bs] (what the
+    round without the drafter would have accepted, ``glance_sgl.tree.accepted_alone``)."""
     h = entropy_tensor(lead)
-    given = [c for c in counts if c is not None]
-    host = torch.stack([walk.accept_lens.to(h.device, h.dtype), h] + [c.to(h.device, h.dtype) for c in given]
-                       ).tolist()
-    read = iter(host[2:])
-    return [int(a) for a in host[0]], host[1], [None if c is None else [int(a) for a in next(read)] for c in counts]
+    rows = [walk.accept_lens.to(h.device, h.dtype), h] + ([] if alone is None else [alone.to(h.device, h.dtype)])
+    host = torch.stack(rows).tolist()
+    return [int(a) for a in host[0]], host[1], None if alone is None else [int(a) for a in host[2]]
 
 
 def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int, max_depth: int | None = None
@@ -217,11 +212,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     drafters = [s for s in sources if s.source_id == SOURCE_DRAFTER] if planner.speculates else []
     cheap = [s for s in sources if s.source_id != SOURCE_DRAFTER] if planner.speculates else []
     rows = planner.max_nodes + 1
-    # 1. the sources without a model pass propose first (host lookups; skipped where the drafter is serving every
-    #    request of the batch and their matches have added nothing to its trees lately), and their best round is
-    #    planned: the round to beat
-    if cheap and not target.agree(int(planner.matches_due(batch.rids))):
-        cheap = []
+    # 1. the sources without a model pass propose first (host lookups), and their best round is planned: the
+    #    round to beat
     fallback = propose(cheap, batch, rows, max_depth) if cheap else None
     alternative = None if fallback is None else planner.choose(batch.rids, fallback.scores, fallback.depths,
                                                                fallback.sources, drafter_ran=False)
@@ -257,16 +249,13 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     # what the round the drafter had to beat would have accepted on its own (its share of this round's tokens)
     rival = drafting and alternative is not None and alternative.nodes > 0
     alone = accepted_alone(fallback.prefix(alternative.nodes + 1), walk.committed_tokens) if rival else None
-    # ... and what the drafter's tree would have accepted without the matches (what they added to it)
-    merged = drafting and fallback is not None and len(trees) > 1
-    solo = accepted_alone(trees[0], walk.committed_tokens) if merged else None
-    accepted, lead, (alone_host, solo_host) = round_numbers(walk, lead_rows(out.logits, walk), alone, solo)
+    accepted, lead, alone_host = round_numbers(walk, lead_rows(out.logits, walk), alone)
     t4 = time.perf_counter()
     # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
     report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if active else None,
                          walk if active else None, lead, drafter_ms=1000.0 * (t1 - t0),
                          pass_ms=1000.0 * (t3 - t2), host_ms=1000.0 * ((t2 - t1) + (t4 - t3)),
-                         alternative=alternative if rival else None, alone=alone_host, drafter_alone=solo_host)
+                         alternative=alternative if rival else None, alone=alone_host)
     planner.report(report)
     return RoundResult(tree, walk, plan, out, report, time.perf_counter())
 

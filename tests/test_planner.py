@@ -431,24 +431,3 @@ def test_the_drafters_gain_is_learned_apart_where_the_matches_already_cover_the_
         assert st.probe_due
     assert not planner.gate(["new-replay"], matched)
     assert planner.gate(["new-fresh"], None)
-
-
-def test_matches_stop_proposing_where_they_add_nothing_to_the_drafters_trees_and_are_rechecked():
-    """N-gram matches of requests the drafter serves propose while they add drafts its trees do not hold; where
-    they add none (grounded answers), they stop (read against the record over all requests, so a new request
-    starts from it), propose again every MATCHES_RECHECK rounds, and always where the drafter is paused."""
-    from glance_sgl.planner import MATCHES_RECHECK, Plan
-
-    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
-    plan = Plan(8, [7.0])
-    assert planner.matches_due(["a"])  # nothing known: the prior lets them propose
-    for _ in range(6):  # merged rounds where the drafter's tree held every accepted draft
-        planner.report(RoundReport(["a"], plan, 9, [6], drafter_alone=[6]))
-    assert not planner.matches_due(["a"]) and not planner.matches_due(["b"])  # b: the record over all requests
-    skipped = [planner.matches_due(["a"]) for _ in range(MATCHES_RECHECK)]
-    assert skipped[-1] and not any(skipped[:-1])  # the recheck (matches_idle had reached MATCHES_RECHECK)
-    for _ in range(4):  # ... where they now add three drafts a round: they go on
-        planner.report(RoundReport(["a"], plan, 9, [6], drafter_alone=[3]))
-        assert planner.matches_due(["a"])
-    planner.state("b").paused = True  # a request the drafter does not serve: the matches are its round
-    assert planner.matches_due(["b"])
