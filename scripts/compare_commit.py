@@ -5,9 +5,10 @@
 The earlier commit's ``glance_sgl`` is exported with ``git archive`` into a temporary folder and imported under
 another name (``glance_base``), so both engines load the same bundled checkpoints side by side. For every task
 and prompt the methods run back to back in an order that rotates from prompt to prompt: this checkout's AR path,
-GLANCE (planner auto), GLANCE (fixed tree), and the earlier commit's AR path and GLANCE. Each GLANCE speedup is
-over its own engine's AR path, and so is each lossless check ("lossless": this checkout's GLANCE runs against
-its AR path; "(base)": the earlier commit's GLANCE against its AR path). The earlier commit's AR path may answer
+GLANCE (planner auto), GLANCE (fixed tree), GLANCE with the drafter and n-gram matches merged (``merged``), and the
+earlier commit's AR path, GLANCE and width-1 chain. Each GLANCE speedup is over its own engine's AR path, and so is
+each lossless check ("lossless": this checkout's GLANCE runs against its AR path; "(base)": the earlier commit's
+GLANCE against its AR path). The earlier commit's AR path may answer
 some prompts differently from this one's (its prompt preparation), which is reported as ``base_ar_matches_ar``.
 """
 
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base_engine_mod, base_dir = import_commit(args.commit)
     new = GlanceEngine.load(bundled_target(), bundled_drafter())
+    merged = GlanceEngine(new.target, new.drafter, budget=new.budget, branch_k=new.branch_k, mode="glance",
+                          max_nodes=new.max_nodes, draft_sources=("drafter", "ngram"))
     old = base_engine_mod.GlanceEngine.load(base_dir / "demo/assets/target", base_dir / "demo/assets/drafter")
     params, old_params = SamplingParams(max_tokens=args.max_tokens), base_engine_mod.SamplingParams(
         max_tokens=args.max_tokens)
@@ -75,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         "ar": lambda m: new.generate(m, params, mode="ar"),
         "auto": lambda m: new.generate(m, params, planner="auto"),
         "fixed": lambda m: new.generate(m, params, planner="fixed"),
+        "merged": lambda m: merged.generate(m, params, planner="auto"),
         "base_ar": lambda m: old.generate(m, old_params, mode="ar"),
         "base_glance": lambda m: old.generate(m, old_params, mode="glance"),
+        "base_chain": lambda m: old.generate(m, old_params, mode="chain"),
     }
     names = list(runs)
     warm = bench_examples("caption", 1)[0].messages()
@@ -103,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             same_base[task] += int(out["base_glance"].token_ids == out["base_ar"].token_ids)
     report: dict = {"commit": args.commit, "limit": args.limit, "max_tokens": args.max_tokens,
                     "clock": "process CPU time, 1 thread" if args.cpu_clock else "wall", "tasks": {}}
-    print(f"{'task':>9} | {'AR ms/tok':>9} | {'auto x':>6} {'tau':>5} {'rc':>5} | {'fixed x':>7} {'tau':>5} "
-          f"{'rc':>5} | {'base x':>6} {'tau':>5} {'rc':>5} | lossless (base)")
+    shown = ("auto", "fixed", "merged", "base_glance", "base_chain")
+    print(f"{'task':>9} | {'AR ms/tok':>9} | " + " | ".join(f"{n + ' x':>13} {'tau':>5} {'rc':>5}" for n in shown)
+          + " | lossless (base)")
     for task in tasks:
         t = tot[task]
 
@@ -112,26 +118,28 @@ def main(argv: list[str] | None = None) -> int:
             return t[n][0] / max(t[n][1], 1)
 
         row = {}
-        for n, ar in (("auto", "ar"), ("fixed", "ar"), ("base_glance", "base_ar")):
+        for n in shown:
+            ar = "base_ar" if n.startswith("base_") else "ar"
             row[n] = {"speedup": mspt(ar) / mspt(n), "tau": t[n][1] / max(t[n][2], 1),
                       "round_cost_ar_steps": (t[n][0] / max(t[n][2], 1)) / mspt(ar)}
         row["ar_ms_per_token"] = mspt("ar")
         # this checkout's GLANCE runs against its AR path, the earlier commit's GLANCE against its own AR path
         # (an earlier commit may prepare some prompts differently, e.g. chat templates: that is not a GLANCE loss)
-        row["lossless"] = min(same[task][n] for n in ("auto", "fixed")) / count[task]
+        row["lossless"] = min(same[task][n] for n in ("auto", "fixed", "merged")) / count[task]
         row["base_lossless"] = same_base[task] / count[task]
         row["base_ar_matches_ar"] = same[task]["base_ar"] / count[task]
         report["tasks"][task] = row
         print(f"{task:>9} | {row['ar_ms_per_token']:9.2f} | " + " | ".join(
-            f"{row[n]['speedup']:6.2f} {row[n]['tau']:5.2f} {row[n]['round_cost_ar_steps']:5.2f}"
-            for n in ("auto", "fixed", "base_glance")) + f" | {row['lossless']:.2f} ({row['base_lossless']:.2f})")
+            f"{row[n]['speedup']:13.2f} {row[n]['tau']:5.2f} {row[n]['round_cost_ar_steps']:5.2f}" for n in shown)
+            + f" | {row['lossless']:.2f} ({row['base_lossless']:.2f})")
     demo = [t for t in tasks if t != "wild"]
-    for n in ("auto", "fixed", "base_glance"):
+    for n in shown:
         vals = [report["tasks"][t][n]["speedup"] for t in demo]
         report[f"geomean_{n}"] = math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
     if report.get("geomean_base_glance"):
         print(f"geomean over {', '.join(demo)}: auto {report['geomean_auto']:.2f}x, fixed "
-              f"{report['geomean_fixed']:.2f}x, {args.commit} {report['geomean_base_glance']:.2f}x "
+              f"{report['geomean_fixed']:.2f}x, merged {report['geomean_merged']:.2f}x; {args.commit}: GLANCE "
+              f"{report['geomean_base_glance']:.2f}x, chain {report['geomean_base_chain']:.2f}x "
               f"(auto / base = {report['geomean_auto'] / report['geomean_base_glance']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
