@@ -422,7 +422,8 @@ class NgramSource:
     def _lookup(self, rids: Sequence[Hashable], live: list[int], tries: list[CandidateTrie]) -> None:
         """Cross-request and own-corpus matches of the requests ``live`` (batch indices) into their tries, in that
         order (the order ``best_first`` keeps: the cross-request corpus holds the request's own answer too, as
-        SGLang's NGRAM corpus does; its own corpus adds the prompt).
+        SGLang's NGRAM corpus does; its own corpus adds the prompt, looked up where the cross-request lookup did not
+        return one long chain).
 
         A lookup returns at most ``max_nodes`` candidates. Where they form one chain (a long match with a single
         continuation: a replayed answer, a quoted passage) the corpus is asked again from the chain's end, and the
@@ -438,9 +439,11 @@ class NgramSource:
             corpus = self._cross(key, create=False)
             if corpus is not None:
                 queries += [_Query(live[i], corpus, str(rids[live[i]]), reqs[i].tail, reqs[i].total) for i in members]
-        queries += [_Query(b, req.own, str(rids[b]), req.tail, req.total) for b, req in zip(live, reqs)]
-        for i, q in enumerate(queries):
+        own = [_Query(b, req.own, str(rids[b]), req.tail, req.total) for b, req in zip(live, reqs)]
+        for i, q in enumerate(queries + own):
             q.order = (i,)
+        if not queries:  # scope off: the own corpora alone
+            queries, own = own, []
         found: list[tuple[int, int, list[int], list[int], list[int]]] = []  # (order, batch index, tokens, ...)
         while queries:
             chains: list[_Query] = []
@@ -449,7 +452,10 @@ class NgramSource:
                               q.depths + [x + q.depth for x in dep[1:]]))
                 if len(tok) == s.max_nodes + 1 and dep[-1] == s.max_nodes and q.depth + s.max_nodes < s.max_depth:
                     chains.append(q.extend(tok, s.max_trie_depth))
-            queries = chains
+            # the own corpora (the prompt's matches) where the cross-request lookup found no single long chain:
+            # where it did, its continuation goes deeper than a row budget keeps the own lookup's breadth
+            chained = {q.b for q in chains}
+            queries, own = chains + [q for q in own if q.b not in chained], []
         found.sort(key=lambda f: f[0])
         for _, b, tok, par, dep in found:
             tries[b].add_tree(tok, par, [0.0] * len(tok), [SOURCE_NGRAM] * len(tok), s.max_depth)
