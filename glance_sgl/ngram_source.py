@@ -343,7 +343,6 @@ class NgramSource:
         corpus = self._cross(req.key, create=False)
         if corpus is not None:
             corpus.erase_match_state([str(rid), chain_state(str(rid))])  # its lookups' and its chains' continuations'
-
         if len(self._pool) < self.settings.max_pooled:
             req.own.synchronize()
             req.own.reset()
@@ -369,12 +368,11 @@ class NgramSource:
 
         ``rows``: rows per request, root included (one int or one per request). ``acceptance``: the calibration
         that scores the nodes (``SourceAcceptance``; its ``SOURCE_NGRAM`` cells), else the source's own prior
-        table. ``roots``: the requests' last committed
-        tokens, checked against what the source was told (None: taken from it; a mismatch raises, or with
-        ``strict=False`` gives that request the root alone). Returns a DraftTree [B, W]
-        (W <= max(rows)) tagged ``SOURCE_NGRAM`` with scores = estimated log-probability that the walk reaches
-        the node, best-first; requests with no match (or an unavailable source, or a request not added) get the
-        root alone, padded (``pack_trees``).
+        table. ``roots``: the requests' last committed tokens, checked against what the source was told (None:
+        taken from it; a mismatch raises, or with ``strict=False`` gives that request the root alone). Returns a
+        DraftTree [B, W] (W <= max(rows)) tagged ``SOURCE_NGRAM`` with scores = estimated log-probability that the
+        walk reaches the node, best-first; requests with no match (or an unavailable source, or a request not
+        added) get the root alone, padded (``pack_trees``).
         """
         budgets = _rows_per_request(rows, len(rids))
         known = [rid in self._requests and bool(self._requests[rid].tail) for rid in rids]

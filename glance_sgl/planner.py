@@ -441,6 +441,11 @@ class RequestPlanState:
         return self.paused and self.ar_streak >= self.probe_interval
 
     @property
+    def exploring(self) -> bool:
+        """An explorer that has not drafted yet: its first probe runs at once, whatever the batch."""
+        return self.explorer and self.drafted_rounds == 0
+
+    @property
     def drafting_off(self) -> bool:
         """Paused, or a new request still held back from drafting: only a probe drafts for it."""
         return self.paused or (self.drafted_rounds == 0 and self.ar_streak < self.hold)
@@ -575,10 +580,16 @@ class Planner:
         return self.leads.get(rid)
 
     # ------------------------------------------------------------ step 1: draft or not
+    @staticmethod
+    def rival_bin(rival_tokens: float) -> int:
+        """The ``RIVAL_EDGES`` bin of a round without the drafter that expects ``rival_tokens`` committed tokens
+        per request (0: under half a draft beyond the bonus token, e.g. an AR step)."""
+        return bisect.bisect_right(RIVAL_EDGES, rival_tokens - 1.0)
+
     def gain_table(self, rival_tokens: float) -> EntropyTable:
         """The entropy table of the drafter's gain where the round without it expects ``rival_tokens`` committed
         tokens per request (1.0: an AR step, nothing proposed)."""
-        return self.gains[bisect.bisect_right(RIVAL_EDGES, rival_tokens - 1.0)]
+        return self.gains[self.rival_bin(rival_tokens)]
 
     def predicted_accept(self, rid: object, lead_entropy: float | None, prior_cap: float | None = None,
                          rival_tokens: float = 1.0) -> float:
@@ -619,11 +630,10 @@ class Planner:
         if due:
             other, round_ms, rate = self._stakes(states, alternative)
             need = self.margin * rate * round_ms / len(states) - sum(other) / len(states)
-            worth = [b for b in due if other[b] - 1.0 < RIVAL_EDGES[0] or states[b].ar_streak >= MAX_PROBE_INTERVAL
-                     or (states[b].explorer and states[b].drafted_rounds == 0) or PROBE_OPTIMISM
+            worth = [b for b in due if self.rival_bin(other[b]) == 0 or states[b].ar_streak >= MAX_PROBE_INTERVAL
+                     or states[b].exploring or PROBE_OPTIMISM
                      * self.gain_table(other[b]).expected(leads[b] if leads[b] is not None else 0.0) >= need]
-            if worth and (2 * len(worth) >= len(states) or
-                          any(states[b].explorer and states[b].drafted_rounds == 0 for b in worth)):
+            if worth and (2 * len(worth) >= len(states) or any(states[b].exploring for b in worth)):
                 return True
         if all(st.drafting_off for st in states):
             return False
