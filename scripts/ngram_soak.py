@@ -42,8 +42,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    settings = NgramSettings(scope=args.scope, max_keys=8, corpus_capacity=50_000, request_capacity=8192,
-                             max_pooled=4)
+    settings = NgramSettings(scope=args.scope, max_keys=8, corpus_capacity=50_000, own_capacity=65_536)
     src = NgramSource(settings)
     if not src.available:
         raise SystemExit(src.reason)

@@ -38,7 +38,7 @@ if ngram_corpus_class()[0] is None:  # the project's venv has SGLang; the subpro
 
 
 def small(**kw) -> NgramSettings:
-    base = dict(max_trie_depth=8, max_nodes=7, max_depth=6, corpus_capacity=4096, request_capacity=1024)
+    base = dict(max_trie_depth=8, max_nodes=7, max_depth=6, corpus_capacity=4096, own_capacity=1024)
     base.update(kw)
     return NgramSettings(**base)
 
@@ -47,11 +47,17 @@ def paths_of(tree, b: int = 0) -> set[tuple[int, ...]]:
     return set(tree_paths(tree, b))
 
 
+def leaves(tree, b: int = 0) -> set[tuple[int, ...]]:
+    """The token paths of request ``b``'s tree that no other path extends."""
+    paths = paths_of(tree, b)
+    return {p for p in paths if not any(len(q) > len(p) and q[:len(p)] == p for q in paths)}
+
+
 def test_settings_are_validated():
     assert NgramSettings().validate().scope == "shared"
     for bad in (dict(scope="tenant"), dict(match_type="DFS"), dict(max_trie_depth=1), dict(max_nodes=0),
                 dict(max_depth=0), dict(min_bfs_breadth=3, max_bfs_breadth=2), dict(corpus_capacity=10),
-                dict(request_capacity=10**9), dict(max_keys=0), dict(max_pooled=-1), dict(max_answer_tokens=-1),
+                dict(own_capacity=10**9), dict(max_keys=0), dict(max_answer_tokens=-1),
                 dict(publish="never")):
         with pytest.raises(ValueError):
             NgramSettings(**bad).validate()
@@ -103,6 +109,31 @@ def test_matches_the_prompt_and_the_output():
     assert src.propose(["empty"], rows=8, roots=[3]).tokens.tolist() == [[3]]
     src.commit("empty", [53])
     assert src.propose(["empty"], rows=8).tokens[0, 0] == 53
+
+
+def test_requests_in_flight_never_match_each_others_tokens(monkeypatch):
+    """Every request's own tokens share one corpus (a namespace each): concurrent requests, a finished one and
+    requests across a namespace rollover match only their own prompt and output there."""
+    import glance_sgl.ngram_source as ngram_source
+
+    monkeypatch.setattr(ngram_source, "NAMESPACES", 2)  # a fresh corpus every second request
+    src = NgramSource(small(scope="off", skip_tokens=(-1,)))
+    src.add_request("a", [50, 51, 52, 53, 54, 55])
+    src.add_request("b", [-1, 60, 50, 61, 62, 63])  # the same token 50, another continuation
+    src.add_request("c", [50, 71, 72, 73])  # past the rollover: a corpus of its own
+    for rid in ("a", "b", "c"):
+        src.commit(rid, [50])
+    tree = src.propose(["a", "b", "c"], rows=8)
+    check_tree_invariants(tree)
+    assert [leaves(tree, b) for b in range(3)] == [{(51, 52, 53, 54, 55, 50)}, {(61, 62, 63, 50)},
+                                                   {(71, 72, 73, 50)}]
+    src.commit("a", [80, 81, 82])
+    src.finish("a")  # its tokens stay in the corpus, in a namespace no later request gets
+    src.add_request("d", [50, 90])
+    src.commit("d", [80])
+    assert src.propose(["d"], rows=8).num_rows == 1
+    src.commit("b", [-1, 50])  # a skipped position in the output: never stored, never proposed
+    assert all(-1 not in p and p[0] != -1 for p in paths_of(src.propose(["b"], rows=8)))
 
 
 def test_skip_tokens_split_the_prompt():
@@ -165,10 +196,10 @@ def test_a_prompt_asked_again_gets_the_earlier_answer_from_its_first_token(publi
 
 
 def test_memory_is_bounded_and_old_answers_are_evicted():
-    src = NgramSource(small(scope="per-key", max_keys=2, max_pooled=2, corpus_capacity=512))
+    src = NgramSource(small(scope="per-key", max_keys=2, corpus_capacity=512))
     for k in range(5):
         answer(src, f"k{k}", f"tenant-{k}", [200 + k, 300 + k, 301 + k, 302 + k])
-    assert src.stats()["corpora"] == 2 and src.stats()["pooled"] <= 2
+    assert src.stats()["corpora"] == 2
     src.add_request("late", [1], key="tenant-0")
     src.commit("late", [200])
     assert src.propose(["late"], rows=8).num_rows == 1, "the least recently used tenant's corpus was dropped"
@@ -180,7 +211,7 @@ def test_memory_is_bounded_and_old_answers_are_evicted():
     src.commit("t4", [204])
     assert (304, 305, 306) in paths_of(src.propose(["t4"], rows=8))
     src.finish("t4", publish=False)
-    assert src.memory_bound_nodes(active_requests=4) == 2 * 512 + (4 + 2) * 1024
+    assert src.memory_bound_nodes(active_requests=4) == 2 * 512 + 2 * 1024
     # one tenant's corpus full: the oldest answers go, the newest stay, matching keeps working
     src = NgramSource(small(scope="shared", corpus_capacity=512))
     rng = random.Random(0)
