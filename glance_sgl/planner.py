@@ -626,14 +626,17 @@ class Planner:
         # cover part of the block, a due request counts only where drafting could pay over them: where the
         # drafter's gain, at PROBE_OPTIMISM times what its gain table expects, reaches what this batch's drafting
         # round needs (probing requests whose matches already cover the block costs a drafter pass for nothing),
-        # or once it has waited MAX_PROBE_INTERVAL rounds
+        # or once it has waited MAX_PROBE_INTERVAL rounds. An explorer drafts the whole batch at once only where
+        # its matches cover little of the block (where they do, the drafter has little to show, and the batch's
+        # drafter pass would be paid for one request's look: at 16 in flight about half a target pass)
         if due:
             other, round_ms, rate = self._stakes(states, alternative)
             need = self.margin * rate * round_ms / len(states) - sum(other) / len(states)
             worth = [b for b in due if self.rival_bin(other[b]) == 0 or states[b].ar_streak >= MAX_PROBE_INTERVAL
                      or states[b].exploring or PROBE_OPTIMISM
                      * self.gain_table(other[b]).expected(leads[b] if leads[b] is not None else 0.0) >= need]
-            if worth and (2 * len(worth) >= len(states) or any(states[b].exploring for b in worth)):
+            if worth and (2 * len(worth) >= len(states)
+                          or any(states[b].exploring and self.rival_bin(other[b]) == 0 for b in worth)):
                 return True
         if all(st.drafting_off for st in states):
             return False

@@ -431,3 +431,24 @@ def test_the_drafters_gain_is_learned_apart_where_the_matches_already_cover_the_
         assert st.probe_due
     assert not planner.gate(["new-replay"], matched)
     assert planner.gate(["new-fresh"], None)
+
+
+def test_an_explorer_drafts_the_batch_at_once_only_where_its_matches_cover_little():
+    """An explorer's first probe drafts its whole batch, unless its n-gram round already expects most of the block:
+    there the batch's drafter pass would buy one request a look at little, and it waits like any due probe."""
+    from glance_sgl.planner import Plan
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+    rids = [f"r{i}" for i in range(8)]
+    for r in rids:
+        planner.begin(r, 0.01)
+        st = planner.state(r)
+        st.explorer, st.hold, st.ar_streak = r == "r0", 0 if r == "r0" else START_HOLD, 0
+    planner.state("r0").ar_streak = MIN_PROBE_INTERVAL
+    assert planner.state("r0").exploring and planner.state("r0").probe_due
+    assert [planner.state(r).drafting_off for r in rids] == [False] + [True] * 7
+    covered = Plan(7, [8.0] + [1.0] * 7, drafted=False)  # r0's matches: a 7-node chain it expects to be accepted
+    uncovered = Plan(7, [1.0] * 8, drafted=False)
+    assert not planner.gate(rids, covered)
+    assert planner.gate(rids, uncovered)
+
