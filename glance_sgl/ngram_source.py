@@ -4,10 +4,13 @@ Built on SGLang's own ``NgramCorpus`` (``sglang.srt.speculative.cpp_ngram.ngram_
 matcher behind SGLang's NGRAM, JIT-built through tvm_ffi on first use). A request's candidates come from two
 corpora, both matched on the request's last ``max_trie_depth`` tokens:
 
-- its own tokens: its prompt and its committed output, in one corpus that holds every request in flight, each in a
-  token namespace of its own (token ``t`` of request namespace ``k`` is stored as ``k * NAMESPACE_STRIDE + t``), so
-  that no request ever matches another's tokens there, and one step costs one insert and one lookup call for the
-  whole batch instead of one each per request (SGLang harness, 16 in flight: 2.2 -> 1.8 ms of proposal per step);
+- its own tokens: its prompt, in one corpus that holds every request in flight, each in a token namespace of its
+  own (token ``t`` of request namespace ``k`` is stored as ``k * NAMESPACE_STRIDE + t``), so that no request ever
+  matches another's tokens there, and one step costs one lookup call for the whole batch instead of one per
+  request (SGLang harness, 16 in flight: 2.2 -> 1.8 ms of proposal per step). Its committed output goes there too
+  only where no cross-request corpus receives it round by round (scope ``off``, ``publish="finished"``, or past
+  ``max_answer_tokens``): each committed token is stored once. A prompt-only lookup runs only where the root
+  occurs in the prompt followed by another token (no other lookup can match);
 - a cross-request corpus of recent answers (committed outputs, published round by round, or when a request
   finishes, ``NgramSettings.publish``; each answer led by the last ``max_trie_depth - 1`` prompt tokens before it,
   so that a request asked again, or ending like another, matches the other's answer from its first token, as with
@@ -165,6 +168,9 @@ class _Request:
     # context the answer's first n-grams are published with
     pending: list[HindsightTree] = field(default_factory=list)  # proposals awaiting their labels, oldest first
     pending_at: int = -1  # ``total`` when the newest pending proposal was made (one per position)
+    # the tokens its prompt follows by another (an own lookup whose root is none of them finds nothing), while its
+    # output goes to a cross-request corpus only; None: the own corpus takes its output too, every lookup runs
+    starts: frozenset[int] | None = None
 
 
 class NgramSource:
@@ -230,7 +236,7 @@ class NgramSource:
         return cross + min(2, max(active_requests, 1)) * s.own_capacity
 
     def stats(self) -> dict[str, int | bool | str]:
-        """Counters for reports: requests in flight, pooled own corpora, cross-request corpora, published tokens."""
+        """Counters for reports: requests in flight, cross-request corpora, published tokens."""
         return {"available": self.available, "scope": self.settings.scope, "requests": len(self._requests),
                 "corpora": len(self._corpora), "published_tokens": self.published_tokens}
 
@@ -292,16 +298,19 @@ class NgramSource:
             own.corpus.batch_put([_in_namespace(seg, offset) for seg in segments])
         scope_key = _ANON_KEY if s.scope == "shared" or key is None else str(key)
         lead = cur[-(s.max_trie_depth - 1):]  # cur: the prompt's tokens after its last skip token
-        self._requests[rid] = _Request(own, offset, scope_key, prompt[-s.max_trie_depth:], len(prompt), lead=lead)
+        live = s.scope != "off" and s.publish == "live"  # its output reaches a cross-request corpus round by round
+        starts = frozenset(t for seg in segments for t in seg[:-1]) if live else None
+        self._requests[rid] = _Request(own, offset, scope_key, prompt[-s.max_trie_depth:], len(prompt), lead=lead,
+                                       starts=starts)
 
     def commit(self, rid: Hashable, tokens: Sequence[int]) -> None:
         """Tokens committed for ``rid`` (in output order: the prefill's first token, then each round's)."""
         self.commit_many([(rid, tokens)])
 
     def commit_many(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> None:
-        """:meth:`commit` for several requests at once: one insert call into the in-flight requests' corpus for
-        all of their windows, and one into each cross-request corpus for all of its requests' new answer n-grams (a
-        round's commits)."""
+        """:meth:`commit` for several requests at once: one insert call into each cross-request corpus for all of
+        its requests' new answer n-grams (a round's commits), and one into the in-flight requests' corpus for the
+        windows of the requests whose output no cross-request corpus receives (``_Request.starts`` None)."""
         s = self.settings
         own: dict[int, tuple[_OwnCorpus, list[list[int]]]] = {}
         live: dict[str, list[list[int]]] = {}
@@ -314,7 +323,9 @@ class NgramSource:
             # every n-gram that ends in a new token starts at most max_trie_depth - 1 tokens before it
             window = req.tail[-(s.max_trie_depth - 1):] + tokens
             stored = _after_separators(window)  # a skipped prompt position never enters a trie
-            if len(stored) > 1:
+            if req.starts is not None and len(req.answer) + len(tokens) > s.max_answer_tokens:
+                req.starts = None  # the answer outgrows what is published: its own corpus takes over
+            if len(stored) > 1 and req.starts is None:
                 own.setdefault(id(req.own), (req.own, []))[1].append(_in_namespace(stored, req.offset))
             req.tail = window[-s.max_trie_depth:]
             req.total += len(tokens)
@@ -447,7 +458,7 @@ class NgramSource:
         """Cross-request and own-corpus matches of the requests ``live`` (batch indices) into their tries, in that
         order (the order ``best_first`` keeps: the cross-request corpus holds the request's own answer too, as
         SGLang's NGRAM corpus does; its own corpus adds the prompt, looked up where the cross-request lookup did not
-        return one long chain).
+        return one long chain and the root occurs in it).
 
         A lookup returns at most ``max_nodes`` candidates. Where they form one chain (a long match with a single
         continuation: a replayed answer, a quoted passage) the corpus is asked again from the chain's end, and the
@@ -465,7 +476,7 @@ class NgramSource:
                 queries += [_Query(live[i], corpus, str(rids[live[i]]), reqs[i].tail, reqs[i].total) for i in members]
         own = [_Query(b, req.own.corpus, str(rids[b]), _in_namespace(req.tail, req.offset), req.total,
                       offset=req.offset)
-               for b, req in zip(live, reqs)]
+               for b, req in zip(live, reqs) if req.starts is None or req.tail[-1] in req.starts]
         for i, q in enumerate(queries + own):
             q.order = (i,)
         if not queries:  # scope off: the own corpora alone

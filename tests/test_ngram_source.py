@@ -136,6 +136,18 @@ def test_requests_in_flight_never_match_each_others_tokens(monkeypatch):
     assert all(-1 not in p and p[0] != -1 for p in paths_of(src.propose(["b"], rows=8)))
 
 
+@pytest.mark.parametrize("scope", ["shared", "per-key"])
+def test_a_request_matches_its_output_through_the_live_corpus(scope):
+    """Where answers are published round by round, a request's output is stored once, in its cross-request corpus,
+    and matched there; its own corpus keeps the prompt."""
+    src = NgramSource(small(scope=scope))
+    src.add_request("r", [50, 51, 52, 53, 54, 55, 56], key="k")
+    src.commit("r", [52])
+    assert (53, 54, 55, 56) in paths_of(src.propose(["r"], rows=16)), "the prompt's continuation"
+    src.commit("r", [90, 91, 92, 93, 94, 90])
+    assert (91, 92, 93, 94) in paths_of(src.propose(["r"], rows=8)), "its own output's continuation"
+
+
 def test_skip_tokens_split_the_prompt():
     src = NgramSource(small(scope="off", skip_tokens=(99,)))
     src.add_request("r", [10, 11, 99, 12, 13, 14, 10, 11])
