@@ -50,11 +50,13 @@ MATCH_TYPES = ("BFS", "PROB")
 PUBLISH = ("live", "finished")
 _CHAIN = "\x00chain"  # suffix of a request's match-state id for its chains' continuations
 _ANON_KEY = ""  # per-key scope: requests without a key share this tenant's corpus
-# The in-flight requests' corpus stores token t of namespace k as k * NAMESPACE_STRIDE + t (int32 ids): above any
-# vocabulary this project meets (Qwen's 151 936 ids), so ids beyond it, negative ids (skipped prompt positions)
-# and the stride's last id (each namespace's separator) are never stored; NAMESPACES per corpus before a fresh one
-# takes new requests (the old one serves its requests until they finish)
-NAMESPACE_STRIDE = 1 << 18
+# The in-flight requests' corpus stores token t of namespace k as k * NAMESPACE_STRIDE + t (int32 ids). The stride
+# lies above the vocabularies of today's VLMs (Qwen's 151 936 ids, Gemma 3's 262 144); an id outside
+# [0, NAMESPACE_STRIDE - 1) (a skipped prompt position, -1) is never stored: prompts are split there, output windows
+# start after it, and a lookup's context carries it as the namespace's separator (NAMESPACE_STRIDE - 1), which no
+# trie holds. NAMESPACES per corpus before a fresh one takes new requests (the old one serves its requests until
+# they finish, and goes with the last of them)
+NAMESPACE_STRIDE = 1 << 19
 NAMESPACES = (2**31 - 1) // NAMESPACE_STRIDE - 1
 
 _IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
@@ -153,7 +155,6 @@ class _OwnCorpus:
 
     corpus: Any
     next_namespace: int = 1
-    members: int = 0  # requests in flight whose namespace is here
 
 
 @dataclass
@@ -281,12 +282,11 @@ class NgramSource:
             own = self._own = _OwnCorpus(self._new_corpus(s.own_capacity))
         offset = own.next_namespace * NAMESPACE_STRIDE
         own.next_namespace += 1
-        own.members += 1
         prompt = [int(t) for t in prompt]
         skip = set(s.skip_tokens)
         segments, cur = [], []
         for t in prompt:
-            if t in skip:
+            if t in skip or not 0 <= t < NAMESPACE_STRIDE - 1:
                 if len(cur) > 1:
                     segments.append(cur)
                 cur = []
@@ -383,7 +383,6 @@ class NgramSource:
         if corpus is not None:
             corpus.erase_match_state([str(rid), chain_state(str(rid))])  # its lookups' and its chains' continuations'
         req.own.corpus.erase_match_state([str(rid), chain_state(str(rid))])
-        req.own.members -= 1  # a replaced corpus is dropped with its last request
 
     def close(self) -> None:
         """Drop every corpus (their SGLang insert threads end)."""
@@ -486,7 +485,8 @@ class NgramSource:
             chains: list[_Query] = []
             for q, (tok, par, dep) in zip(queries, self._match(queries)):
                 found.append((q.order, q.b, [t - q.offset for t in q.prefix + tok[1:]],
-                              q.parents + [p + len(q.prefix) - 1 for p in par[1:]], q.depths + [x + q.depth for x in dep[1:]]))
+                              q.parents + [p + len(q.prefix) - 1 for p in par[1:]],
+                              q.depths + [x + q.depth for x in dep[1:]]))
                 if len(tok) == s.max_nodes + 1 and dep[-1] == s.max_nodes and q.depth + s.max_nodes < s.max_depth:
                     chains.append(q.extend(tok, s.max_trie_depth))
             # the own corpora (the prompt's matches) where the cross-request lookup found no single long chain:
@@ -531,7 +531,7 @@ class NgramSource:
 
 def _in_namespace(tokens: Sequence[int], offset: int) -> list[int]:
     """``tokens`` as ids of the namespace at ``offset`` (``NAMESPACE_STRIDE``); an id outside ``[0, stride - 1)``
-    (a skipped prompt position, -1) becomes the namespace's separator, which nothing follows in a proposal."""
+    (a skipped prompt position, -1) becomes the namespace's separator, which no trie holds."""
     sep = offset + NAMESPACE_STRIDE - 1
     return [offset + t if 0 <= t < NAMESPACE_STRIDE - 1 else sep for t in tokens]
 
@@ -583,7 +583,8 @@ class _Query:
         from its last ``context_len`` tokens, under a match state of its own (:func:`chain_state`)."""
         n, k = len(self.prefix), len(chain) - 1
         return _Query(self.b, self.corpus, chain_state(self.state), (self.context + chain[1:])[-context_len:],
-                      self.total + k, self.offset, self.prefix + chain[1:], self.parents + list(range(n - 1, n + k - 1)),
+                      self.total + k, self.offset, self.prefix + chain[1:],
+                      self.parents + list(range(n - 1, n + k - 1)),
                       self.depths + [self.depth + j for j in range(1, k + 1)], self.order + (1,))
 
 
