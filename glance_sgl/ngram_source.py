@@ -94,9 +94,10 @@ class NgramSettings:
                       continuations first, wider for shorter matches; PROB: most frequent first)
     corpus_capacity:  trie nodes of one cross-request corpus (SGLang preallocates them: ~180 bytes each, plus the
                       per-node child maps as they fill)
-    own_capacity:     trie nodes of the corpus of the in-flight requests' own tokens (prompts + outputs, every
-                      request in a namespace of its own; the least recently inserted evicted when full: finished
-                      requests' n-grams first)
+    own_capacity:     trie nodes of the corpus of the in-flight requests' own tokens (their prompts, and their
+                      outputs where no cross-request corpus receives them round by round; every request in a
+                      namespace of its own; the least recently inserted evicted when full: finished requests'
+                      n-grams first)
     max_keys:         ``per-key``: tenant corpora kept, the least recently used dropped beyond it
     publish:          ``live``: a request's committed output joins its cross-request corpus round by round, so
                       concurrent requests match each other's answers as they are written (as SGLang's NGRAM);
@@ -159,7 +160,7 @@ class _OwnCorpus:
 
 @dataclass
 class _Request:
-    own: _OwnCorpus  # where the request's prompt and output live, in namespace ``offset // NAMESPACE_STRIDE``
+    own: _OwnCorpus  # where the request's prompt (and output, see ``starts``) live, namespace ``offset // stride``
     offset: int
     key: str
     tail: list[int]  # the last max_trie_depth tokens (prompt then output); tail[-1] is the root of a proposal
@@ -286,7 +287,7 @@ class NgramSource:
         skip = set(s.skip_tokens)
         segments, cur = [], []
         for t in prompt:
-            if t in skip or not 0 <= t < NAMESPACE_STRIDE - 1:
+            if t in skip or not _storable(t):
                 if len(cur) > 1:
                     segments.append(cur)
                 cur = []
@@ -322,11 +323,12 @@ class NgramSource:
             tokens = [int(t) for t in tokens]
             # every n-gram that ends in a new token starts at most max_trie_depth - 1 tokens before it
             window = req.tail[-(s.max_trie_depth - 1):] + tokens
-            stored = _after_separators(window)  # a skipped prompt position never enters a trie
             if req.starts is not None and len(req.answer) + len(tokens) > s.max_answer_tokens:
                 req.starts = None  # the answer outgrows what is published: its own corpus takes over
-            if len(stored) > 1 and req.starts is None:
-                own.setdefault(id(req.own), (req.own, []))[1].append(_in_namespace(stored, req.offset))
+            if req.starts is None:
+                stored = _after_separators(window)  # a skipped prompt position never enters a trie
+                if len(stored) > 1:
+                    own.setdefault(id(req.own), (req.own, []))[1].append(_in_namespace(stored, req.offset))
             req.tail = window[-s.max_trie_depth:]
             req.total += len(tokens)
             room = s.max_answer_tokens - len(req.answer)
@@ -529,17 +531,23 @@ class NgramSource:
         return out
 
 
+def _storable(token: int) -> bool:
+    """Whether ``token`` has an id of its own in a namespace: in ``[0, NAMESPACE_STRIDE - 1)`` (else it is a
+    skipped prompt position, -1, or beyond the stride, and becomes the namespace's separator)."""
+    return 0 <= token < NAMESPACE_STRIDE - 1
+
+
 def _in_namespace(tokens: Sequence[int], offset: int) -> list[int]:
-    """``tokens`` as ids of the namespace at ``offset`` (``NAMESPACE_STRIDE``); an id outside ``[0, stride - 1)``
-    (a skipped prompt position, -1) becomes the namespace's separator, which no trie holds."""
+    """``tokens`` as ids of the namespace at ``offset`` (``NAMESPACE_STRIDE``); a token that is not
+    :func:`_storable` becomes the namespace's separator, which no trie holds."""
     sep = offset + NAMESPACE_STRIDE - 1
-    return [offset + t if 0 <= t < NAMESPACE_STRIDE - 1 else sep for t in tokens]
+    return [offset + t if _storable(t) else sep for t in tokens]
 
 
 def _after_separators(tokens: list[int]) -> list[int]:
-    """The tokens after the last one that :func:`_in_namespace` turns into a separator (all where there is none)."""
+    """The tokens after the last one that is not :func:`_storable` (all where there is none)."""
     for i in range(len(tokens) - 1, -1, -1):
-        if not 0 <= tokens[i] < NAMESPACE_STRIDE - 1:
+        if not _storable(tokens[i]):
             return tokens[i + 1:]
     return tokens
 
