@@ -574,7 +574,7 @@ class GlanceEngine:
         root_entropy = entropy_nats(logits[0]) if r.tree.num_rows > 1 else request.policy.lead_entropy(request.rid)
         predicted = r.plan.expected_tokens[0] if r.plan.expected_tokens else None
         record = RoundRecord(r.tree.num_nodes, accepted, root_entropy, predicted, r.drafted,
-                             choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1]],
+                             choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1].to(logits.device)],
                              sources=source_counts(r.tree, r.walk)[0])
         return r.walk.committed()[0], record
 

@@ -27,6 +27,7 @@ a valid tree, and the walk (``glance_sgl.verify``) commits only the target's own
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol, Sequence
@@ -151,9 +152,17 @@ class RoundResult:
 
 
 def root_tree(roots: torch.Tensor) -> DraftTree:
-    """The 1-row tree of a plain AR step: only the roots [bs] are verified."""
-    zeros = roots.new_zeros(roots.shape[0], 1)
-    return DraftTree(roots.view(-1, 1), zeros - 1, zeros, zeros.float())
+    """The 1-row tree of a plain AR step: only the roots [bs] are verified. Its parents / depths / scores are
+    constants of the batch size, made once (an AR step's host work is the cost of "never hurts")."""
+    parents, depths, scores = _root_constants(roots.shape[0], roots.device)
+    return DraftTree(roots.view(-1, 1), parents, depths, scores)
+
+
+@functools.lru_cache(maxsize=64)
+def _root_constants(bs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(parents -1, depths 0, scores 0.0), each [bs, 1], of a root-only tree (shared: never written)."""
+    zeros = torch.zeros(bs, 1, dtype=torch.long, device=device)
+    return zeros - 1, zeros, zeros.float()
 
 
 def chain_of(roots: torch.Tensor, rows: int) -> DraftTree:

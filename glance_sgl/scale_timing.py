@@ -132,13 +132,19 @@ CURVE_ANCHOR_ROWS = 32  # the published taus were measured at a 32-token tree (r
 
 def measure(device: str, dtype: torch.dtype, shapes: dict[str, Any], batches: list[int], rows: list[int],
             contexts: list[int], repeats: int, drafter_layers: int, progress: bool = True,
-            drafter_batches: list[int] | None = None) -> dict[str, Any]:
+            drafter_batches: list[int] | None = None, partial: Path | None = None,
+            eager_contexts: list[int] | None = None) -> dict[str, Any]:
     """The report: verify ms per (context, batch, rows) and drafter ms per (context, batch), eager and (on CUDA)
     from CUDA graphs. Keys: ``{mode}/ctx{C}/bs{B}/rows{R}`` and ``{mode}/ctx{C}/bs{B}``; a configuration that
-    fails (out of memory, say) is listed under ``errors`` and the others still run."""
+    fails (out of memory, say) is listed under ``errors`` and the others still run. Each finished configuration
+    prints a line (key, ms, seconds spent) and, with ``partial``, rewrites the report so far there: a run cut
+    short by a time limit keeps what it measured."""
     from tqdm import tqdm
 
+    t_start = time.perf_counter()
     target, cfg = build_target(shapes, device, dtype)
+    print(f"  built the target ({shapes.get('num_hidden_layers')} layers, {dtype}) in "
+          f"{time.perf_counter() - t_start:.1f} s", flush=True)
     cuda = device.startswith("cuda")
     modes = ["eager", "graph"] if cuda else ["eager"]
     dbatches = drafter_batches or batches
@@ -146,10 +152,15 @@ def measure(device: str, dtype: torch.dtype, shapes: dict[str, Any], batches: li
                               "dtype": str(dtype).removeprefix("torch."), "shapes": shapes, "contexts": contexts,
                               "batches": batches, "rows": rows, "drafter_batches": dbatches,
                               "drafter_layers": drafter_layers, "verify_ms": {}, "drafter_ms": {}, "errors": []}
-    jobs = [(m, c, b, r) for m in modes for c in contexts for b in batches for r in rows]
-    jobs += [(m, c, b, None) for m in modes for c in contexts for b in dbatches]
+    # graphed passes first (what a serving engine runs), the drafter beside each context's verify passes
+    jobs = [(m, c, b, r) for c in contexts for m in reversed(modes) for b in batches for r in rows]
+    jobs += [(m, c, b, None) for c in contexts for m in reversed(modes) for b in dbatches]
+    jobs.sort(key=lambda j: (contexts.index(j[1]), modes[::-1].index(j[0])))
+    if cuda and eager_contexts is not None:  # eager passes are host-bound: one context tells what they cost
+        jobs = [j for j in jobs if j[0] == "graph" or j[1] in eager_contexts]
     for mode, ctx, bs, r in tqdm(jobs, desc="scale timing", disable=not progress):
         key = f"{mode}/ctx{ctx}/bs{bs}" + (f"/rows{r}" if r is not None else "")
+        t_job = time.perf_counter()
         try:
             if r is not None:
                 fn = verify_call(target, cfg, bs, r, ctx, device)
@@ -160,6 +171,12 @@ def measure(device: str, dtype: torch.dtype, shapes: dict[str, Any], batches: li
                 report["drafter_ms"][key] = round(timed(fn, device, repeats), 4)
         except Exception as exc:  # a failed configuration is reported, the others still run
             report["errors"].append(f"{key}: {type(exc).__name__}: {exc}"[:400])
+        got = report["verify_ms"].get(key, report["drafter_ms"].get(key))
+        print(f"  job {key}: {'failed' if got is None else f'{got} ms'} ({time.perf_counter() - t_job:.1f} s)",
+              flush=True)
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(report, indent=2))
         fn = None
         if cuda:
             torch.cuda.empty_cache()
@@ -176,10 +193,12 @@ def _round_costs(report: dict[str, Any]) -> dict[str, dict[int, float]]:
             continue
         base = key.removesuffix("/rows1")
         draft = report["drafter_ms"].get(base)
+        if draft is None:  # no drafter timing (a run cut short): no round cost, rather than "1 row is best"
+            continue
         costs = {1: 1.0}
         for r in report["rows"]:
             v = report["verify_ms"].get(f"{base}/rows{r}")
-            if r > 1 and v is not None and draft is not None:
+            if r > 1 and v is not None:
                 costs[r] = (v + draft) / ar
         out[base] = costs
     return out
@@ -286,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,4,8,16,32,64", help="verified rows per request (1: an AR step)")
     p.add_argument("--context", default="1024,4096",
                    help="cached tokens per request (an image prompt), comma-separated")
+    p.add_argument("--eager-contexts", default=None,
+                   help="on CUDA, the contexts also timed eagerly (default: every --context)")
     p.add_argument("--tau-curve", type=Path, default=None,
                    help="JSON of tau per rows ({\"4\": 2.1, ...} or the device check's engine report): adds the "
                         "best tree size per tau")
@@ -309,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError) as exc:
             print(f"scale timing: --tau-curve {args.tau_curve}: {exc}; no best tree size", file=sys.stderr)
     report = measure(args.device, dtype, SHAPES_TINY if args.tiny else SHAPES_7B, batches, rows, contexts,
-                     args.repeats, args.drafter_layers, drafter_batches=dbatches)
+                     args.repeats, args.drafter_layers, drafter_batches=dbatches, partial=args.json,
+                     eager_contexts=_ints(args.eager_contexts, "--eager-contexts") if args.eager_contexts else None)
     if curve:
         report["tau_curve"] = curve
         derive(report)

@@ -109,3 +109,28 @@ def test_scaled_tau_curve_keeps_the_bonus_and_hits_the_anchor():
     assert out[16] == pytest.approx(4.7) and out[4] == pytest.approx(1 + 1.0 * 3.7 / 2.0)
     mid = scaled_curve(curve, 5.0, anchor=32)  # 32 lies between 16 and 64: interpolated in log rows
     assert mid[16] < 5.0 < mid[64]
+
+
+def test_a_configuration_without_its_drafter_pass_gets_no_round_cost():
+    """A run cut short (the device check's time limit) may hold a context's verify passes but not its drafter
+    pass: that configuration gets no round cost and no "best" tree size, rather than "1 row, x1.0"."""
+    from glance_sgl.scale_timing import derive
+
+    report = {"rows": [1, 4], "verify_ms": {"graph/ctx1/bs1/rows1": 10.0, "graph/ctx1/bs1/rows4": 11.0,
+                                            "graph/ctx2/bs1/rows1": 20.0, "graph/ctx2/bs1/rows4": 21.0},
+              "drafter_ms": {"graph/ctx1/bs1": 2.0}, "tau_curve": {"4": 2.0, "32": 3.0}}
+    derive(report)
+    assert set(report["round_cost_ar_steps"]) == set(report["best_rows"]) == {"graph/ctx1/bs1"}
+    assert report["round_cost_ar_steps"]["graph/ctx1/bs1"]["4"] == pytest.approx(1.3)
+
+
+def test_scale_timing_prints_each_configuration_and_keeps_a_partial_report(tmp_path, capsys):
+    from glance_sgl.scale_timing import measure, SHAPES_TINY
+
+    path = tmp_path / "partial.json"
+    report = measure("cpu", torch.float32, SHAPES_TINY, [1], [1, 4], [16], repeats=1, drafter_layers=1,
+                     progress=False, partial=path)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  job ")]
+    assert [l.split(":")[0] for l in lines] == ["  job eager/ctx16/bs1/rows1", "  job eager/ctx16/bs1/rows4",
+                                                "  job eager/ctx16/bs1"]
+    assert json.loads(path.read_text())["verify_ms"] == report["verify_ms"]

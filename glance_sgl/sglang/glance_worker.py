@@ -518,11 +518,16 @@ class GlanceWorker(BaseSpecWorker):
         self._log_step(r, gap_ms)
 
         walk = r.walk
-        accept_lens = (walk.accept_lens.to(self.device) + 1).to(torch.int32)
-        width = min(walk.committed_tokens.shape[1], self.draft_token_num)
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
-        accept_tokens[:, :width] = walk.committed_tokens[:, :width].clamp(min=0).to(self.device, torch.int32)
-        bonus = accept_tokens.gather(1, (accept_lens.long() - 1)[:, None]).squeeze(1).long()
+        if r.tree.num_rows == 1:  # an AR step: one token each, the bonus (its few ops: the cost of "never hurts")
+            bonus = walk.bonus.to(self.device, torch.long)
+            accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+            accept_tokens[:, 0] = bonus
+        else:
+            accept_lens = (walk.accept_lens.to(self.device) + 1).to(torch.int32)
+            width = min(walk.committed_tokens.shape[1], self.draft_token_num)
+            accept_tokens[:, :width] = walk.committed_tokens[:, :width].clamp(min=0).to(self.device, torch.int32)
+            bonus = accept_tokens.gather(1, (accept_lens.long() - 1)[:, None]).squeeze(1).long()
         result = r.out.handle
         if batch.return_logprob:
             self._spec_logprobs(batch, result.logits_output, walk.accepted_rows, accept_tokens, r.tree.num_rows)
@@ -592,6 +597,11 @@ class GlanceWorker(BaseSpecWorker):
         j`` after ``compact_kv``). Fixed shapes: padding columns write to the padding slot. Deferred: a run of AR
         steps is projected in one call when the drafter next reads the pool."""
         bs, width = rows.shape
+        if taps.shape[1] == 1:  # an AR step: each request's one row, at position seq_lens[b]
+            positions = batch.seq_lens.long()
+            slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices.long(), positions].long()
+            self.draft_pool.defer(slots, taps[:, 0], positions)
+            return
         idx = rows.clamp(min=0).to(taps.device)
         kept = taps.gather(1, idx[:, :, None].expand(-1, -1, taps.shape[2])).reshape(bs * width, -1)
         slots, positions = committed_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
