@@ -8,7 +8,8 @@ Sections (each reports on its own; one failing does not hide the others):
 - ``tau_by_rows`` (below) runs second, so that the scale-timing step has its curve even if ``bf16`` runs long;
 - ``bf16``: the engine in bfloat16: the share of prompts where GLANCE (``fixed``: every round drafts) equals bf16
   AR token for token, and where the first divergences fall (near-ties flip in low precision: a tree pass and a
-  one-token pass sum in different orders), with tau and decode speedup from the same runs.
+  one-token pass sum in different orders), with tau from the same runs (their decode speedup is kept in the JSON
+  but not printed: one cold run per prompt and mode).
 - ``tau_by_rows``: tau of the fixed tree at 4 / 8 / 16 / 32 / 64 verified rows on the grounded tasks (fp32): the
   curve the scale-timing step turns into a best tree size at 7B shapes.
 - ``graphs``: the embedded engine has no CUDA-graph path (its passes are Hugging Face forwards over a growing
@@ -169,10 +170,12 @@ def main(argv: list[str] | None = None) -> int:
                 for m, s in methods.items() if m != "ar" and s["decode_speedup"] is not None))
     if "match_rate" in report["bf16"]:
         bf = report["bf16"]
+        # tau only: each prompt runs once per mode, cold for its shapes (in bf16 a new image size's first pass
+        # costs more than the whole answer: 2.2 s against 30 ms on the CPU, 0.36-6.7x "speedups" on the H200), so
+        # the JSON's decode_speedup is not a measurement; the fp32 section's is
         print(f"  bf16 (fixed tree) match rate {bf['match_rate']:.2f}, first divergence min "
-              f"{bf['first_divergence_min']} median {bf['first_divergence_median']}; " + ", ".join(
-                  f"{t} tau {v['tau']:.2f} x{v['decode_speedup']:.2f}" for t, v in bf["tasks"].items()
-                  if v["tau"] is not None and v["decode_speedup"] is not None))
+              f"{bf['first_divergence_min']} median {bf['first_divergence_median']}; tau " + ", ".join(
+                  f"{t} {v['tau']:.2f}" for t, v in bf["tasks"].items() if v["tau"] is not None))
     if "tau_by_rows" in report["tau_by_rows"]:
         print(f"  tau by rows (fp32, fixed tree): {report['tau_by_rows']['tau_by_rows']}")
     failed = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
