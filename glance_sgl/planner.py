@@ -316,6 +316,9 @@ def save_costs(model: CostModel) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------- acceptance
+HOST_OBSERVE_MAX_BATCH = 16  # DepthCalibration.observe: host lists up to this batch size, tensor ops above
+
+
 class DepthCalibration:
     """Per-depth factor between the drafter's conditional probability of a child and how often the target takes it.
 
@@ -350,7 +353,13 @@ class DepthCalibration:
 
     def observe(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
                 accepted_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
-        """One verified batch of trees ([B, R] each; ``accepted_rows`` [B, >=1] with -1 padding, [B] lengths)."""
+        """One verified batch of trees ([B, R] each; ``accepted_rows`` [B, >=1] with -1 padding, [B] lengths).
+        Host tensors of a small batch (the embedded engine) take :meth:`_observe_host`: the same sums in a few list
+        passes instead of some twenty tiny tensor ops (about 0.1 ms of a round on 2 cores)."""
+        on_host = all(t.device.type == "cpu" for t in (parents, scores, depths, accepted_rows, accept_lens))
+        if on_host and self.predicted.device.type == "cpu" and parents.shape[0] <= HOST_OBSERVE_MAX_BATCH:
+            self._observe_host(parents, scores, depths, accepted_rows, accept_lens)
+            return
         bs, r = parents.shape
         dev = parents.device
         on_path = torch.zeros(bs, r + 1, dtype=torch.bool, device=dev)
@@ -369,6 +378,24 @@ class DepthCalibration:
         # the sums live where the trees do: a device-resident step reads nothing back for them
         self.predicted = self.predicted.to(dev).mul_(self.decay).add_(pred.sum(0)[: self.max_depth + 1])
         self.hits = self.hits.to(dev).mul_(self.decay).add_(hit.sum(0)[: self.max_depth + 1])
+
+    def _observe_host(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
+                      accepted_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        """:meth:`observe` on host lists (same sums; the conditional probabilities in float32, as there)."""
+        top = self.max_depth + 1
+        pred, hit = [0.0] * top, [0.0] * top
+        par, dep, acc, lens = parents.tolist(), depths.tolist(), accepted_rows.tolist(), accept_lens.tolist()
+        # exp(score - parent's score) of every row, in float32 like the tensor path; only path children count
+        cond = torch.exp(scores.float() - scores.float().gather(1, parents.clamp(min=0))).tolist()
+        for b in range(len(par)):
+            on_path = {row for row in acc[b] if row >= 0}
+            for i, p in enumerate(par[b]):
+                if p >= 0 and p in on_path and dep[b][i] < top:
+                    pred[dep[b][i]] += cond[b][i]
+            for d in range(1, min(int(lens[b]), top - 1) + 1):
+                hit[d] += 1.0
+        self.predicted.mul_(self.decay).add_(torch.tensor(pred, dtype=torch.float64))
+        self.hits.mul_(self.decay).add_(torch.tensor(hit, dtype=torch.float64))
 
 
 class EntropyTable:

@@ -135,6 +135,39 @@ def test_depth_calibration_learns_how_often_the_target_agrees():
     assert factor[1] > 0.5
 
 
+@pytest.mark.parametrize("bs", [1, 3])
+def test_depth_calibration_host_and_tensor_paths_agree(bs, monkeypatch):
+    """The host-list path (small CPU batches) and the tensor path learn the same sums from the same walks:
+    random trees, random target choices (every walk depth), a depth cap below the trees' depths."""
+    import glance_sgl.planner as planner_mod
+
+    gen = torch.Generator().manual_seed(bs)
+    paths = {}
+    for path in ("host", "tensor"):
+        monkeypatch.setattr(planner_mod, "HOST_OBSERVE_MAX_BATCH", 16 if path == "host" else 0)
+        depth = DepthCalibration(5, decay=0.9)
+        gen.manual_seed(bs)
+        for step in range(12):
+            trees = [random_tree(100 * bs + 7 * step + b, 24, depth=7) for b in range(bs)]
+            tree = DraftTree(*(torch.cat([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "depths",
+                                                                                    "scores")))
+            # mostly each row's first child (walks past the depth cap), else a random token (walks that stop)
+            choices = torch.randint(0, 50, tuple(tree.tokens.shape), generator=gen)
+            follow = torch.rand(tuple(tree.tokens.shape), generator=gen) < 0.85
+            for b in range(bs):
+                for row in range(tree.num_rows - 1, 0, -1):  # descending: the smallest child row wins
+                    parent = int(tree.parents[b, row])
+                    if follow[b, parent]:
+                        choices[b, parent] = tree.tokens[b, row]
+            walk = verify_tree(tree.tokens, tree.parents, tree.depths, torch.nn.functional.one_hot(
+                choices, 50).float(), torch.zeros(bs, dtype=torch.long), [SamplingSpec()] * bs)
+            depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
+        paths[path] = (depth.predicted.clone(), depth.hits.clone())
+    assert torch.allclose(paths["host"][0], paths["tensor"][0], rtol=1e-9, atol=1e-12)
+    assert torch.equal(paths["host"][1], paths["tensor"][1])
+    assert paths["host"][1][-1] > 0.9 ** 11  # some walks reached the cap
+
+
 def test_choose_weighs_expected_tokens_against_cost():
     tree = random_tree(3, 40, sharp=8.0)  # a confident drafter: long expected paths
     cheap = Planner(linear_costs(per_row=0.001), max_nodes=40, max_depth=7)
