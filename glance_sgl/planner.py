@@ -328,9 +328,10 @@ class DepthCalibration:
     round at factor 1). Node i's acceptance probability is then ``exp(score_i) * prod_{d <= depth_i} factor[d]``.
     """
 
-    def __init__(self, max_depth: int, decay: float = 0.995, prior: float = 1.0) -> None:
+    def __init__(self, max_depth: int, decay: float = 0.995, prior: float = 1.0, host_lists: bool = True) -> None:
         self.max_depth = max_depth
         self.decay = decay
+        self.host_lists = host_lists  # False: a device-resident step, whose trees and walks never come to the host
         self.predicted = torch.full((max_depth + 1,), prior, dtype=torch.float64)
         self.hits = torch.full((max_depth + 1,), prior, dtype=torch.float64)
 
@@ -355,8 +356,10 @@ class DepthCalibration:
                 accepted_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
         """One verified batch of trees ([B, R] each; ``accepted_rows`` [B, >=1] with -1 padding, [B] lengths).
         Host tensors of a small batch (the embedded engine) take :meth:`_observe_host`: the same sums in a few list
-        passes instead of some twenty tiny tensor ops (about 0.1 ms of a round on 2 cores)."""
-        on_host = all(t.device.type == "cpu" for t in (parents, scores, depths, accepted_rows, accept_lens))
+        passes instead of some twenty tiny tensor ops (about 0.1 ms of a round on 2 cores), unless ``host_lists`` is
+        off (a device-resident step on a CPU device reads nothing back either)."""
+        on_host = self.host_lists and all(t.device.type == "cpu"
+                                          for t in (parents, scores, depths, accepted_rows, accept_lens))
         if on_host and self.predicted.device.type == "cpu" and parents.shape[0] <= HOST_OBSERVE_MAX_BATCH:
             self._observe_host(parents, scores, depths, accepted_rows, accept_lens)
             return
@@ -560,6 +563,7 @@ class Planner:
     # 3.26; geomean decode speedup 2.67x vs 2.79x, one interleaved run, 20 prompts per task)
     size_margin: float = 1.0
     row_menu: list[int] | None = None
+    host_statistics: bool = True  # False: a device-resident step (no host reads): DepthCalibration's tensor path
     depth: DepthCalibration = field(init=False)
     gains: list[EntropyTable] = field(init=False)  # the drafter's gain by lead entropy, one per RIVAL_EDGES bin
     requests: dict[object, RequestPlanState] = field(default_factory=dict)
@@ -578,7 +582,7 @@ class Planner:
         if self.mode not in PLANNER_MODES:
             raise ValueError(f"planner must be one of {PLANNER_MODES}, got {self.mode!r}")
         self.fixed_nodes = self.max_nodes if self.fixed_nodes is None else min(self.fixed_nodes, self.max_nodes)
-        self.depth = DepthCalibration(self.max_depth)
+        self.depth = DepthCalibration(self.max_depth, host_lists=self.host_statistics)
         self.gains = [EntropyTable(self.max_depth) for _ in range(len(RIVAL_EDGES) + 1)]
         self.acceptance = SourceAcceptance(max_depth=max(self.max_depth, 1))
 

@@ -168,7 +168,8 @@ class GlanceWorker(BaseSpecWorker):
                        *([] if self.settings.draft_sources == ("drafter",) else [self.settings.draft_sources]))
         cached = load_batch_costs(key)
         costs = cached if cached is not None else BatchCostModel.prior(key)
-        self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed)
+        self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed,
+                                    device_step=self.device_step)
         self.stats = StepStats(self._profile)
         # n-gram candidates (GLANCE_DRAFT_SOURCES=...,ngram): SGLang's NgramCorpus over each request's prompt, its
         # committed output and recent answers, one source per worker, proposed every step beside the drafter's tree
