@@ -15,7 +15,9 @@ and derives (:func:`derive`) the round cost in AR steps per tree size, ``(t_veri
 t_verify(1)``, the decode speedup each tau would give (``tau / round cost``; the published 2.9-4.7 among them),
 and, given a measured tau-per-rows curve (``--tau-curve``: the demo's, from the device check), the best tree size
 per tau. Medians of ``--repeats`` timed calls after warm-up (CUDA events on a GPU). ``--tiny`` runs the same code
-on a tiny config (what the CPU test does).
+on a tiny config (what the CPU test does). ``--eager-contexts`` limits the eager passes to some contexts (they are
+host-bound on a GPU: one context says what they cost). Each configuration prints a line and, with ``--json``,
+rewrites the report so far, so a run cut short by a time limit keeps what it measured.
 
     python -m glance_sgl.scale_timing --device cuda --json scale.json
 """
