@@ -156,18 +156,17 @@ def measure(device: str, dtype: torch.dtype, shapes: dict[str, Any], batches: li
     print(f"  built the target ({shapes.get('num_hidden_layers')} layers, {dtype}) in "
           f"{time.perf_counter() - t_start:.1f} s", flush=True)
     cuda = device.startswith("cuda")
-    modes = ["eager", "graph"] if cuda else ["eager"]
+    modes = ["graph", "eager"] if cuda else ["eager"]  # graphed passes first: what a serving engine runs
     dbatches = drafter_batches or batches
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
                               "dtype": str(dtype).removeprefix("torch."), "shapes": shapes, "contexts": contexts,
                               "batches": batches, "rows": rows, "drafter_batches": dbatches,
                               "drafter_layers": drafter_layers, "verify_ms": {}, "drafter_ms": {}, "errors": []}
-    # graphed passes first (what a serving engine runs), the drafter beside each context's verify passes
-    jobs = [(m, c, b, r) for c in contexts for m in reversed(modes) for b in batches for r in rows]
-    jobs += [(m, c, b, None) for c in contexts for m in reversed(modes) for b in dbatches]
-    jobs.sort(key=lambda j: (contexts.index(j[1]), modes[::-1].index(j[0])))
-    if cuda and eager_contexts is not None:  # eager passes are host-bound: one context tells what they cost
-        jobs = [j for j in jobs if j[0] == "graph" or j[1] in eager_contexts]
+    # per context and mode: the verify passes, then the drafter's (r None); on CUDA, eager passes only at
+    # ``eager_contexts`` (they are host-bound: one context tells what they cost)
+    shapes_of = [(b, r) for b in batches for r in rows] + [(b, None) for b in dbatches]
+    jobs = [(m, c, b, r) for c in contexts for m in modes
+            if m == "graph" or not cuda or eager_contexts is None or c in eager_contexts for b, r in shapes_of]
     for mode, ctx, bs, r in tqdm(jobs, desc="scale timing", disable=not progress):
         key = f"{mode}/ctx{ctx}/bs{bs}" + (f"/rows{r}" if r is not None else "")
         t_job = time.perf_counter()
