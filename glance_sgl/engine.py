@@ -492,19 +492,29 @@ class GlanceEngine:
         t0 = time.perf_counter()
         metrics.prompt_tokens = prompt.num_tokens
         self.check_fits(prompt, params)
-        state, rows = self.target.prefill(prompt, taps=self._taps(mode))
+        rid = next(self._rids)
+        ngram = "ngram" in sources and mode != "ar"
+        if ngram:  # the prompt goes in now: SGLang's insert thread stores it while the prefill runs
+            assert self.ngram is not None
+            self.ngram.set_key(rid, ngram_key)  # scope per-key: the tenant's corpus
+            self.ngram.start(rid, prompt.input_ids[0].tolist())
+        try:
+            state, rows = self.target.prefill(prompt, taps=self._taps(mode))
+        except BaseException:
+            if ngram:
+                self.ngram.finish(rid, publish=False)
+            raise
         first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec)[0])
         request = None
         if mode != "ar":
             policy = planner if planner is not None else AlwaysDraft(self.block_size - 1)
-            request = SpeculativeRequest(next(self._rids), policy,
+            request = SpeculativeRequest(rid, policy,
                                          CachedDrafter.start(self.drafter, rows.taps, self.branch_k, mode == "chain"),
                                          CachePass(self.target, state, self._taps(mode)))
             policy.begin(request.rid, entropy_nats(rows.logits[-1]))
-            if "ngram" in sources:
-                assert self.ngram is not None
+            if ngram:
                 self.ngram.acceptance = policy.acceptance  # the planner learns per source and depth
-                self.ngram.set_key(request.rid, ngram_key)  # scope per-key: the tenant's corpus
+                self.ngram.source.commit(rid, [first])
                 request.history = prompt.input_ids[0].tolist() + [first]
                 request.sources = ([request.drafter] if "drafter" in sources else []) + [self.ngram]
         k = params.logprobs

@@ -58,6 +58,10 @@ _ANON_KEY = ""  # per-key scope: requests without a key share this tenant's corp
 # they finish, and goes with the last of them)
 NAMESPACE_STRIDE = 1 << 19
 NAMESPACES = (2**31 - 1) // NAMESPACE_STRIDE - 1
+# Inserts wait in a corpus's queue until a lookup reads that corpus, or until this many tokens wait: one insert
+# call per lookup instead of one per round (an insert call costs ~0.15 ms on 2 cores, a round's n-grams far less;
+# a drafting request whose lookups the planner skips would otherwise pay it every round for nothing)
+MAX_QUEUED_TOKENS = 8192
 
 _IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
 
@@ -203,10 +207,13 @@ class NgramSource:
         self._corpora: OrderedDict[str, Any] = OrderedDict()  # cross-request corpora by key (shared: one, "")
         self._default_acceptance = SourceAcceptance(max_depth=self.settings.max_depth)
         self._hindsight: SourceAcceptance | None = None  # the table proposals are labelled into (propose's)
+        self._queued: dict[int, tuple[Any, list[list[int]], int]] = {}  # id(corpus) -> (corpus, windows, tokens)
         self.published_tokens = 0
         if self._cls is not None:
             try:  # the first NgramCorpus JIT-builds SGLang's C++ (tens of seconds once, cached on disk)
                 self._own = _OwnCorpus(self._new_corpus(self.settings.own_capacity))
+                if self.settings.scope == "shared":  # allocated now (tens of ms), not in the first request
+                    self._cross(_ANON_KEY, create=True)
             except Exception as exc:
                 self._cls = None
                 self.reason = (f"n-gram source unavailable: SGLang's NgramCorpus failed to build "
@@ -262,12 +269,31 @@ class NgramSource:
             # the least recently used tenant's answers go; its trie is emptied (pending inserts first, so that
             # none of them lands after the reset) and serves the new key: no allocation churn
             _, corpus = self._corpora.popitem(last=False)
+            self._queued.pop(id(corpus), None)  # the old tenant's queued n-grams go with it
             corpus.synchronize()
             corpus.reset()
         else:
             corpus = self._new_corpus(self.settings.corpus_capacity)
         self._corpora[key] = corpus
         return corpus
+
+    def _put(self, corpus: Any, windows: list[list[int]]) -> None:
+        """Queue ``windows`` for ``corpus`` (inserted by :meth:`_flush` before a lookup reads it, or once
+        ``MAX_QUEUED_TOKENS`` tokens wait)."""
+        if not windows:
+            return
+        _, queued, tokens = self._queued.get(id(corpus), (corpus, [], 0))
+        queued.extend(windows)
+        tokens += sum(len(w) for w in windows)
+        self._queued[id(corpus)] = (corpus, queued, tokens)
+        if tokens >= MAX_QUEUED_TOKENS:
+            self._flush(corpus)
+
+    def _flush(self, corpus: Any) -> None:
+        """Insert what waits for ``corpus`` (one insert call)."""
+        entry = self._queued.pop(id(corpus), None)
+        if entry is not None:
+            corpus.batch_put(entry[1])
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def add_request(self, rid: Hashable, prompt: Sequence[int], key: str | None = None) -> None:
@@ -280,6 +306,7 @@ class NgramSource:
         s = self.settings
         own = self._own
         if own.next_namespace > NAMESPACES:  # a fresh corpus for new requests; this one serves its own to the end
+            self._flush(own.corpus)
             own = self._own = _OwnCorpus(self._new_corpus(s.own_capacity))
         offset = own.next_namespace * NAMESPACE_STRIDE
         own.next_namespace += 1
@@ -296,7 +323,9 @@ class NgramSource:
         if len(cur) > 1:
             segments.append(cur)
         if segments:
-            own.corpus.batch_put([_in_namespace(seg, offset) for seg in segments])
+            # at once: SGLang's insert thread stores a prompt while the engine runs its first passes
+            self._put(own.corpus, [_in_namespace(seg, offset) for seg in segments])
+            self._flush(own.corpus)
         scope_key = _ANON_KEY if s.scope == "shared" or key is None else str(key)
         lead = cur[-(s.max_trie_depth - 1):]  # cur: the prompt's tokens after its last skip token
         live = s.scope != "off" and s.publish == "live"  # its output reaches a cross-request corpus round by round
@@ -339,11 +368,11 @@ class NgramSource:
                     published[req.key] = published.get(req.key, 0) + min(room, len(tokens))
                 req.answer.extend(tokens[:room])
         for corpus, windows in own.values():
-            corpus.corpus.batch_put(windows)
+            self._put(corpus.corpus, windows)
         for key, windows in live.items():
             corpus = self._cross(key, create=True)
             if corpus is not None:
-                corpus.batch_put(windows)
+                self._put(corpus, windows)
                 self.published_tokens += published[key]
         self._label(items)
 
@@ -379,7 +408,7 @@ class NgramSource:
         if publish and self.settings.publish == "finished" and len(req.answer) > 1:
             corpus = self._cross(req.key, create=True)
             if corpus is not None:
-                corpus.batch_put([req.lead + req.answer])
+                self._put(corpus, [req.lead + req.answer])
                 self.published_tokens += len(req.answer)
         corpus = self._cross(req.key, create=False)
         if corpus is not None:
@@ -389,6 +418,7 @@ class NgramSource:
     def close(self) -> None:
         """Drop every corpus (their SGLang insert threads end)."""
         self._requests.clear()
+        self._queued.clear()
         self._own = None
         self._corpora.clear()
 
@@ -511,6 +541,7 @@ class NgramSource:
         mask_of: list[np.ndarray] = [None] * len(queries)  # type: ignore[list-item]
         for members in groups.values():
             corpus = queries[members[0]].corpus
+            self._flush(corpus)
             corpus.synchronize()
             ids, mask = corpus.batch_get([queries[i].state for i in members], [queries[i].context for i in members],
                                          [queries[i].total for i in members])
@@ -633,6 +664,13 @@ class NgramCandidates:
         if key is not None:
             self.keys[rid] = key
 
+    def start(self, rid: Hashable, prompt: Sequence[int]) -> None:
+        """``rid``'s prompt token ids, before its prefill (its key first, ``set_key``); the first committed token
+        follows through ``source.commit``. A request not started here is added from its first round's
+        ``batch.tokens``."""
+        if self.source.available and rid not in self.source:
+            self.source.add_request(rid, prompt, self.keys.get(rid))
+
     def _sync(self, batch: Any) -> None:
         src = self.source
         roots = batch.roots.tolist()
@@ -656,8 +694,9 @@ class NgramCandidates:
             if lead is not None:
                 src._requests[rid].lead = lead
 
-    def propose(self, batch: Any, rows: int) -> DraftTree:
-        """Candidate trees [bs, <= rows] tagged ``SOURCE_NGRAM`` on ``batch.roots``' device."""
+    def propose(self, batch: Any, rows: int | Sequence[int]) -> DraftTree:
+        """Candidate trees [bs, <= rows] tagged ``SOURCE_NGRAM`` on ``batch.roots``' device (``rows``: one budget,
+        or one per request; 1: the root alone, no lookup)."""
         if self.source.available:
             self._sync(batch)
         return self.source.propose(batch.rids, rows, self.acceptance, roots=batch.roots.tolist(),

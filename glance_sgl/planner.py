@@ -43,7 +43,7 @@ from typing import Callable, Hashable, Iterable, Literal, Sequence
 
 import torch
 
-from .tree import SOURCE_DRAFTER, SourceAcceptance
+from .tree import SOURCE_DRAFTER, SOURCE_NGRAM, SourceAcceptance
 
 PlannerMode = Literal["auto", "fixed", "off"]
 # "off": never speculate (every round a plain AR step, no source proposes): the fixed cost of the speculative path
@@ -72,6 +72,22 @@ PRIOR_ROUNDS = 1.0  # weight, in rounds, of the entropy table's value in a reque
 # answer), much where there is none. One entropy table per bin, so traffic of one kind does not set the other's prior
 RIVAL_EDGES = (0.5, 2.0, 4.0)
 PROBE_OPTIMISM = 2.0  # a due probe runs where the drafter's gain could be this many times what its gain table expects
+# The lookup of the sources without a model pass (n-gram matches) is skipped for a drafting request whose merged
+# rounds got nothing from them the drafter did not propose too; it looks again after NGRAM_RECHECK skipped rounds
+# (and every NGRAM_RECHECK-th skip over all requests looks).
+# NGRAM_TREND: weight of the past in a request's record of what its lookups added (per drafting round that looked)
+NGRAM_RECHECK = 8
+NGRAM_TREND = 0.7
+NGRAM_PRIOR = 1.0  # weight, in looks, of what lookups added over all requests (a request's prior)
+# ... and it keeps looking where the matches' round alone would come within 1 / RIVAL_SLACK of the drafting
+# round's tokens per ms (verifying RIVAL_ROWS rows): there the lookup is what lets the gate drop the drafter pass
+RIVAL_SLACK = 1.25
+RIVAL_ROWS = 8
+# A request's matches join the drafter's tree only where their own round expects at least this many drafts: weak
+# matches otherwise take rows from the drafter's nodes (their scores are learned over all traffic)
+MERGE_MIN_DRAFTS = 0.5
+NGRAM_ALL_TREND = 0.98  # weight of the past in that over-all record (per drafting round that looked)
+COST_TREND = 0.9  # weight of the past in the measured ms of a lookup
 
 
 # ---------------------------------------------------------------------------------------------------- costs
@@ -460,6 +476,15 @@ class RequestPlanState:
     drafted_rounds: int = 0
     hold: int = 0
     explorer: bool = False  # one of the new requests that probe at once however rarely first rounds pay
+    # the sources without a model pass (``Planner.cheap_rows``): the share of a drafting round's committed tokens
+    # that only they proposed, summed over the drafting rounds that looked them up, and those rounds (both decayed
+    # by NGRAM_TREND per such round); whether this round looked; rounds skipped in a row
+    cheap_share: float = 0.0
+    cheap_alone: float = 0.0  # ... what the matches' round alone would have accepted (``RoundReport.alone``)
+    cheap_tokens: float = 0.0  # ... and the tokens those rounds committed
+    cheap_looks: float = 0.0
+    looked: bool = True
+    cheap_skipped: int = 0
 
     @property
     def probe_due(self) -> bool:
@@ -516,7 +541,9 @@ class RoundReport:
     is). ``alternative`` / ``alone``: in a drafting round that merged other sources' candidates, the round without
     the drafter that the gate weighed it against (``choose`` with ``drafter_ran=False``) and the drafted nodes per
     request that round alone would have accepted (``glance_sgl.tree.accepted_alone``): the drafter is credited
-    with what it added, not with what the other sources found anyway.
+    with what it added, not with what the other sources found anyway. ``cheap_ms``: the ms per request that looked
+    them up of the sources without a model pass (their lookup, merging their candidates, crediting the drafter),
+    None where no request looked (``Planner.cheap_rows``).
     """
 
     rids: Sequence[Hashable]
@@ -531,6 +558,7 @@ class RoundReport:
     host_ms: float | None = None
     alternative: "Plan | None" = None
     alone: Sequence[int] | None = None
+    cheap_ms: float | None = None
 
     @property
     def batch(self) -> int:
@@ -577,6 +605,13 @@ class Planner:
     starts_paid: float = 1.0
     starts: float = 1.0
     new_requests: int = 0
+    cheap_ms: float | None = None  # measured ms per request of a lookup of the sources without a model pass
+    # ... and, over all requests, the share of drafting rounds' tokens only they proposed, and those rounds
+    cheap_share_all: float = 0.0
+    cheap_alone_all: float = 0.0
+    cheap_tokens_all: float = 0.0
+    cheap_looks_all: float = 0.0
+    cheap_skips: int = 0  # lookups skipped so far, over all requests
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
@@ -644,6 +679,54 @@ class Planner:
     def speculates(self) -> bool:
         """False for mode "off": no candidate source proposes, every round is a plain AR step."""
         return self.mode != "off"
+
+    def cheap_rows(self, rids: Sequence[object], rows: int) -> list[int]:
+        """Rows per request (root included) for the candidate sources without a model pass this round; 1: no
+        lookup. A request whose drafting is on skips the lookup where what lookups added to its drafting rounds
+        is worth less than the lookup costs: the share of a round's committed tokens that no drafter node proposed
+        (its own record, with the record over all requests as a prior worth ``NGRAM_PRIOR`` rounds) times its share
+        of a round's ms, against the measured ms per lookup (``cheap_ms``). It looks again after
+        ``NGRAM_RECHECK`` skipped rounds, and so does every ``NGRAM_RECHECK``-th skip over all requests (so the
+        record over all requests stays current where answers last a few rounds); and whenever its drafting is off
+        (the lookup is then the round's only candidates). Only the "auto" mode decides; the others always look."""
+        bs = len(rids)
+        if self.mode != "auto" or self.cheap_ms is None or self.cheap_looks_all < NGRAM_PRIOR:
+            return [rows] * bs
+        out = []
+        for r in rids:
+            st = self.state(r)
+            skip = (st.drafted_rounds > 0 and not st.drafting_off and st.cheap_skipped < NGRAM_RECHECK
+                    and not self._lookup_pays(st, bs))
+            if skip:
+                self.cheap_skips += 1
+                skip = self.cheap_skips % NGRAM_RECHECK != 0
+            st.looked = not skip
+            st.cheap_skipped = st.cheap_skipped + 1 if skip else 0
+            out.append(1 if skip else rows)
+        return out
+
+    def merge_worth(self, alternative: "Plan") -> list[bool]:
+        """Per request, whether the matches' candidates join the drafter's tree: where the round they allow alone
+        (``alternative``, :meth:`choose` with ``drafter_ran=False``) expects ``MERGE_MIN_DRAFTS`` drafts or more.
+        Weaker matches still stand as the round the drafter has to beat."""
+        if not alternative.expected_tokens:
+            return [True] * len(alternative.raw_accept or [])
+        return [t - 1.0 >= MERGE_MIN_DRAFTS for t in alternative.expected_tokens]
+
+    def _lookup_pays(self, st: RequestPlanState, bs: int) -> bool:
+        """Whether a drafting request's lookup is worth its ms (:meth:`cheap_rows`)."""
+        looks, all_looks = NGRAM_PRIOR + st.cheap_looks, self.cheap_looks_all / NGRAM_PRIOR
+        share = (self.cheap_share_all / all_looks + st.cheap_share) / looks
+        alone = (self.cheap_alone_all / all_looks + st.cheap_alone) / looks
+        tokens = (self.cheap_tokens_all / all_looks + st.cheap_tokens) / looks
+        nodes = self.fixed_nodes if st.last_nodes < 0 else st.last_nodes
+        round_ms = self.costs.round_ms(nodes, bs) / bs
+        cheap_ms = self.cheap_ms or 0.0
+        if share * round_ms > self.margin * cheap_ms:  # what the matches add to drafting rounds pays for it
+            return True
+        # ... or their round alone comes close enough to the drafting round to take over from it
+        rival_ms = self.costs.verify_ms(RIVAL_ROWS, bs) / bs + cheap_ms
+        return RIVAL_SLACK * (1.0 + alone) / rival_ms > tokens / round_ms
 
     def gate(self, rids: Sequence[object], alternative: "Plan | None" = None) -> bool:
         """Whether this batch runs the drafter, from each request's lead entropy and record. Cheap: no tensor
@@ -764,12 +847,16 @@ class Planner:
     def report(self, report: RoundReport) -> None:
         """One round's outcome: acceptance (drafting rounds), the next lead entropies and the measured costs."""
         leads = [self.leads.get(r) for r in report.rids]
-        if report.drafted:
-            self._observe_accepts(report, leads)
+        only = None
         if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1:
             # per source and depth, from trees that hold other sources' nodes (the drafter's own trees calibrate
             # ``depth``; skipping them keeps a device-resident step free of host reads)
-            self.acceptance.observe(report.tree, report.walk.accepted_rows)
+            only = self.acceptance.observe(report.tree, report.walk.accepted_rows)
+        if report.cheap_ms is not None:
+            self.cheap_ms = report.cheap_ms if self.cheap_ms is None else \
+                COST_TREND * self.cheap_ms + (1.0 - COST_TREND) * report.cheap_ms
+        if report.drafted:
+            self._observe_accepts(report, leads, only)
         if report.lead_entropies is not None:
             # kept only where the next gate may read it (not while every request of a batch that did not draft is
             # paused or held back)
@@ -781,8 +868,10 @@ class Planner:
             self.costs.observe_round(report.rows, report.batch, report.drafted, report.drafter_ms, report.pass_ms,
                                      report.host_ms)
 
-    def _observe_accepts(self, report: RoundReport, lead_entropies: Sequence[float | None]) -> None:
-        """What a drafted round accepted: per-depth calibration, entropy table, each request's record, probes."""
+    def _observe_accepts(self, report: RoundReport, lead_entropies: Sequence[float | None],
+                         only: dict[int, list[int]] | None = None) -> None:
+        """What a drafted round accepted: per-depth calibration, entropy table, each request's record, probes.
+        ``only``: per source, accepted drafts per request that no other source proposed (merged trees)."""
         plan, tree, walk = report.plan, report.tree, report.walk
         # the drafter's per-depth calibration, from its own trees (a merged tree's other nodes are calibrated by
         # ``acceptance``)
@@ -797,9 +886,22 @@ class Planner:
         alone = [0] * bs if rival is None else report.alone
         rival_tokens = [1.0] * bs if rival is None else rival.expected_tokens
         raw = plan.raw_accept or [0.0] * bs
-        for r, h, a, s, o, pred in zip(report.rids, lead_entropies, report.accepted, alone, rival_tokens, raw):
+        cheap_only = [0] * bs if only is None else only.get(SOURCE_NGRAM, [0] * bs)
+        cheap_alone = report.alone if report.alone is not None else [0] * bs
+        for r, h, a, s, o, pred, extra, by_itself in zip(report.rids, lead_entropies, report.accepted, alone,
+                                                         rival_tokens, raw, cheap_only, cheap_alone):
             st = self.state(r)
             a, s = float(a), float(s)
+            if st.looked and only is not None and plan.nodes > 0:  # what its lookup added to this round
+                share = float(extra) / (1.0 + a)
+                st.cheap_share = NGRAM_TREND * st.cheap_share + share
+                st.cheap_alone = NGRAM_TREND * st.cheap_alone + float(by_itself)
+                st.cheap_tokens = NGRAM_TREND * st.cheap_tokens + 1.0 + a
+                st.cheap_looks = NGRAM_TREND * st.cheap_looks + 1.0
+                self.cheap_share_all = NGRAM_ALL_TREND * self.cheap_share_all + share
+                self.cheap_alone_all = NGRAM_ALL_TREND * self.cheap_alone_all + float(by_itself)
+                self.cheap_tokens_all = NGRAM_ALL_TREND * self.cheap_tokens_all + 1.0 + a
+                self.cheap_looks_all = NGRAM_ALL_TREND * self.cheap_looks_all + 1.0
             gain = max(a - s, 0.0)  # what the drafter added over the rival round's own acceptance
             if plan.nodes > 0 and h is not None:
                 self.gain_table(o).observe(h, gain)
@@ -863,6 +965,12 @@ class AlwaysDraft:
     def skip(self, rids: Sequence[object]) -> Plan:
         return Plan(0, [1.0] * len(rids), drafted=False)
 
+    def cheap_rows(self, rids: Sequence[object], rows: int) -> list[int]:
+        return [rows] * len(rids)
+
+    def merge_worth(self, alternative: Plan) -> list[bool]:
+        return [True] * max(len(alternative.expected_tokens), 1)
+
     acceptance = None  # other sources score their nodes with their own priors
 
     def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor,
@@ -895,6 +1003,14 @@ class RandomPlanner(Planner):
 
     def gate(self, rids, alternative: Plan | None = None) -> bool:
         return self.rng.random() < 2 / 3
+
+    def cheap_rows(self, rids, rows: int) -> list[int]:
+        """Each request looks up the sources without a model pass with probability 3/4."""
+        return [rows if self.rng.random() < 3 / 4 else 1 for _ in rids]
+
+    def merge_worth(self, alternative: Plan) -> list[bool]:
+        """Each request's matches join the drafter's tree with probability 3/4."""
+        return [self.rng.random() < 3 / 4 for _ in alternative.expected_tokens]
 
     def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
                drafter_ran: bool = True) -> Plan:

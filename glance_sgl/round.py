@@ -18,8 +18,10 @@ small adapters:
   (``SOURCE_DRAFTER``, a model pass) pays over that round; the trees of several sources are merged under one
   row budget (``glance_sgl.tree.merge_trees``). So a round is, per the gate, the candidates and the configured
   sources: no draft (a plain AR step), n-gram candidates only, the drafter only, or merged;
-- the policy (:class:`glance_sgl.planner.Planner`, or ``AlwaysDraft`` for an ablation): ``gate``, ``skip``,
-  ``choose`` and one ``report`` per round; it owns every per-request statistic, the lead entropy included.
+- the policy (:class:`glance_sgl.planner.Planner`, or ``AlwaysDraft`` for an ablation): ``cheap_rows`` (which
+  requests look up the sources without a model pass), ``gate``, ``skip``, ``merge_worth`` (whose matches join the
+  drafter's tree), ``choose`` and one ``report`` per round; it owns every per-request statistic, the lead entropy
+  included.
 
 Lossless whatever the adapters and the policy pick: every prefix of a best-first tree (the root alone included) is
 a valid tree, and the walk (``glance_sgl.verify``) commits only the target's own choices.
@@ -36,7 +38,7 @@ import torch
 
 from .metrics import entropy_tensor
 from .planner import CostModel, Plan, RoundReport, calibrate
-from .tree import SOURCE_DRAFTER, DraftTree, accepted_alone, merge_trees
+from .tree import SOURCE_DRAFTER, SOURCE_NONE, DraftTree, accepted_alone, merge_trees
 from .verify import SamplingSpec, WalkResult, verify_tree
 
 
@@ -108,8 +110,9 @@ class CandidateSource(Protocol):
 
     source_id: int
 
-    def propose(self, batch: RoundBatch, rows: int) -> DraftTree:
-        """Candidate trees [bs, <= rows] (row 0 the root), best-first: every prefix is a tree."""
+    def propose(self, batch: RoundBatch, rows: int | Sequence[int]) -> DraftTree:
+        """Candidate trees [bs, <= rows] (row 0 the root), best-first: every prefix is a tree. ``rows``: one
+        budget for the batch, or one per request (sources without a model pass: 1 = no lookup for it)."""
 
     def commit(self, batch: RoundBatch, taps: torch.Tensor, walk: WalkResult) -> None:
         """What the round committed (``walk``: root + accepted rows of the pass whose tap features are ``taps``
@@ -125,6 +128,10 @@ class RoundPolicy(Protocol):
     def gate(self, rids: Sequence[Hashable], alternative: Plan | None = None) -> bool: ...
 
     def skip(self, rids: Sequence[Hashable]) -> Plan: ...
+
+    def cheap_rows(self, rids: Sequence[Hashable], rows: int) -> list[int]: ...
+
+    def merge_worth(self, alternative: Plan) -> list[bool]: ...
 
     def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor,
                sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan: ...
@@ -193,14 +200,24 @@ def round_numbers(walk: WalkResult, lead: torch.Tensor, alone: torch.Tensor | No
     return [int(a) for a in host[0]], host[1], None if alone is None else [int(a) for a in host[2]]
 
 
-def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int, max_depth: int | None = None
-            ) -> DraftTree:
+def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int | Sequence[int],
+            max_depth: int | None = None) -> DraftTree:
     """The candidates of every active source in one best-first tree of at most ``rows`` rows per request (several
     sources: merged by token path, ``glance_sgl.tree.merge_trees``, nodes no deeper than ``max_depth``)."""
     return one_tree([s.propose(batch, rows) for s in sources], rows, max_depth)
 
 
-def one_tree(trees: Sequence[DraftTree], rows: int, max_depth: int | None = None) -> DraftTree:
+def only_requests(tree: DraftTree, keep: Sequence[bool]) -> DraftTree:
+    """``tree`` with the nodes of the requests not in ``keep`` [bs] untagged (``SOURCE_NONE``: a merge leaves them
+    out; the tree itself as it is where every request is kept)."""
+    if all(keep):
+        return tree
+    tags = tree.source_tags().clone()
+    tags[torch.tensor([not k for k in keep], device=tags.device)] = SOURCE_NONE
+    return DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores, tags)
+
+
+def one_tree(trees: Sequence[DraftTree], rows: int | Sequence[int], max_depth: int | None = None) -> DraftTree:
     """Several sources' candidate trees as one best-first tree of at most ``rows`` rows per request (one tree:
     as it is)."""
     return trees[0] if len(trees) == 1 else merge_trees(list(trees), rows, max_depth)
@@ -221,18 +238,25 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     drafters = [s for s in sources if s.source_id == SOURCE_DRAFTER] if planner.speculates else []
     cheap = [s for s in sources if s.source_id != SOURCE_DRAFTER] if planner.speculates else []
     rows = planner.max_nodes + 1
-    # 1. the sources without a model pass propose first (host lookups), and their best round is planned: the
-    #    round to beat
-    fallback = propose(cheap, batch, rows, max_depth) if cheap else None
+    # 1. the sources without a model pass propose first (host lookups, skipped for requests whose drafting
+    #    rounds they add nothing to), and their best round is planned: the round to beat
+    looks = planner.cheap_rows(batch.rids, rows) if cheap else []
+    looked = sum(1 for n in looks if n > 1)
+    fallback = propose(cheap, batch, looks, max_depth) if looked else None
     alternative = None if fallback is None else planner.choose(batch.rids, fallback.scores, fallback.depths,
                                                                fallback.sources, drafter_ran=False)
+    cheap_s = time.perf_counter() - t0
     # 2. gate: does the drafter's pass pay for this batch now, over that round? (every rank takes rank 0's answer)
     drafting = bool(drafters) and bool(target.agree(int(planner.gate(batch.rids, alternative))))
     if drafting:
         # 3. the drafter's candidates merged with the others, and how many rows of them to verify
-        trees = [d.propose(batch, rows) for d in drafters] + ([] if fallback is None else [fallback])
+        trees = [d.propose(batch, rows) for d in drafters]
+        tm = time.perf_counter()
+        if fallback is not None:  # the matches of the requests where they are worth rows next to the drafter's
+            trees.append(only_requests(fallback, planner.merge_worth(alternative)))
         candidates = one_tree(trees, rows, max_depth)
         t1 = time.perf_counter()
+        cheap_s += t1 - tm if fallback is not None else 0.0
         plan = planner.choose(batch.rids, candidates.scores, candidates.depths, candidates.sources, True)
     else:
         t1 = time.perf_counter()
@@ -257,14 +281,17 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         source.commit(batch, out.taps, walk)
     # what the round the drafter had to beat would have accepted on its own (its share of this round's tokens)
     rival = drafting and alternative is not None and alternative.nodes > 0
+    ta = time.perf_counter()
     alone = accepted_alone(fallback.prefix(alternative.nodes + 1), walk.committed_tokens) if rival else None
+    cheap_s += time.perf_counter() - ta if rival else 0.0
     accepted, lead, alone_host = round_numbers(walk, lead_rows(out.logits, walk), alone)
     t4 = time.perf_counter()
     # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
     report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if active else None,
                          walk if active else None, lead, drafter_ms=1000.0 * (t1 - t0),
                          pass_ms=1000.0 * (t3 - t2), host_ms=1000.0 * ((t2 - t1) + (t4 - t3)),
-                         alternative=alternative if rival else None, alone=alone_host)
+                         alternative=alternative if rival else None, alone=alone_host,
+                         cheap_ms=1000.0 * cheap_s / looked if looked else None)
     planner.report(report)
     return RoundResult(tree, walk, plan, out, report, time.perf_counter())
 
@@ -292,4 +319,4 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
 __all__ = ["DRAFT_SOURCES", "check_draft_sources",
            "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
            "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "round_numbers", "propose",
-           "one_tree"]
+           "one_tree", "only_requests"]

@@ -471,8 +471,10 @@ class SourceAcceptance:
         """``probs(source)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore``."""
         return self.probs(source).log().tolist()
 
-    def observe(self, tree: DraftTree, accepted_rows: torch.Tensor) -> None:
+    def observe(self, tree: DraftTree, accepted_rows: torch.Tensor) -> dict[int, list[int]]:
         """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding).
+        Returns, per source, the accepted drafts of each request [B] that that source alone proposed (what it
+        added to the round).
 
         Host lists: a round's tree is a few dozen rows, where a loop over them costs less than the dozen tensor
         ops a vectorised count would."""
@@ -481,8 +483,12 @@ class SourceAcceptance:
         n, ranks, top = (self.max_depth + 1) * self.ranks, self.ranks, self.max_depth
         tries = {src: [0.0] * n for src in self.hits}
         hits = {src: [0.0] * n for src in self.hits}
-        for tag_b, par_b, dep_b, acc_b in zip(tags, parents, depths, accepted):
+        only: dict[int, list[int]] = {src: [0] * len(tags) for src in self.hits}
+        for b, (tag_b, par_b, dep_b, acc_b) in enumerate(zip(tags, parents, depths, accepted)):
             on_path = {r for r in acc_b if r >= 0}
+            for r in on_path:
+                if r > 0 and tag_b[r] in only:
+                    only[tag_b[r]][b] += 1
             seen: dict[tuple[int, int], int] = {}  # (parent row, source): earlier siblings of that source
             for i in range(1, len(par_b)):
                 p, tag = par_b[i], tag_b[i]
@@ -499,6 +505,7 @@ class SourceAcceptance:
         for src in self.hits:
             if src not in self.hindsight:
                 self._add(src, tries[src], hits[src])
+        return only
 
     def _add(self, source: int, tries: Sequence[float], hits: Sequence[float]) -> None:
         """One batch's counts of ``source`` (flat ``[depth * ranks + rank]`` host lists), after one decay step."""

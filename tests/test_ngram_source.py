@@ -375,3 +375,20 @@ def test_a_long_verbatim_copy_is_proposed_deeper_than_one_lookup(scope):
     tree = src.propose(["fork"], rows=32)
     check_tree_invariants(tree)
     assert {p[:2] for p in paths_of(tree)} >= {(10, 11), (30, 31)} and int(tree.depths.max()) <= 4
+
+
+def test_queued_inserts_reach_lookups_and_never_another_tenant():
+    """Inserts wait until a lookup reads their corpus (one insert call per lookup, not per round): a lookup sees
+    everything committed before it, and an evicted tenant's queued n-grams are dropped with its corpus, not
+    inserted into the next tenant's."""
+    src = NgramSource(small(scope="per-key", max_keys=1))
+    src.add_request("a", [1, 2, 3], key="tenant-a")
+    for t in (40, 41, 42, 43, 44):  # one commit per round; nothing looks yet
+        src.commit("a", [t])
+    src.add_request("a2", [9], key="tenant-a")
+    src.commit("a2", [40])
+    assert (41, 42, 43, 44) in paths_of(src.propose(["a2"], rows=8))
+    src.commit("a", [45, 46])  # queued for tenant-a's corpus ...
+    src.add_request("b", [9], key="tenant-b")
+    src.commit("b", [44])  # ... which tenant-b's corpus replaces (max_keys 1)
+    assert not any(p[:2] == (45, 46) for p in paths_of(src.propose(["b"], rows=8)))

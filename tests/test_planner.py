@@ -485,3 +485,73 @@ def test_an_explorer_drafts_the_batch_at_once_only_where_its_matches_cover_littl
     assert not planner.gate(rids, covered)
     assert planner.gate(rids, uncovered)
 
+
+
+def _merged_round(planner: Planner, rid: str, ngram_only: int, accepted: int = 6, alone: int = 0) -> None:
+    """A drafting round over a merged tree whose accepted path holds ``ngram_only`` nodes that only the n-gram
+    source proposed (the rest the drafter's), reported with its lookup's cost; ``alone``: what the matches' round
+    alone would have accepted."""
+    from glance_sgl.planner import Plan
+    from glance_sgl.tree import SOURCE_DRAFTER, SOURCE_NGRAM
+
+    rows = accepted + 1
+    tags = torch.tensor([[0] + [SOURCE_NGRAM] * ngram_only + [SOURCE_DRAFTER] * (accepted - ngram_only)])
+    chain = DraftTree(torch.arange(rows)[None], torch.arange(-1, rows - 1)[None], torch.arange(rows)[None],
+                      torch.zeros(1, rows), tags)
+    walk = verify_tree(chain.tokens, chain.parents, chain.depths,
+                       torch.nn.functional.one_hot(torch.arange(1, rows + 1), rows + 1).float()[None] * 10,
+                       torch.tensor([0]), [SamplingSpec()], max_depth=accepted)
+    assert walk.accept_lens.tolist() == [accepted]
+    planner.report(RoundReport([rid], Plan(accepted, [1.0 + accepted], drafted=True, raw_accept=[accepted]), rows,
+                               [accepted], chain, walk, [0.01], cheap_ms=0.5,
+                               alternative=Plan(accepted, [1.0 + alone], drafted=False) if alone else None,
+                               alone=[alone] if alone else None))
+
+
+def test_lookups_are_skipped_for_drafting_requests_they_add_nothing_to():
+    """The sources without a model pass are looked up for a drafting request only where their candidates add to
+    its rounds what the lookup costs: a request the drafter serves alone skips them (every NGRAM_RECHECK-th skip
+    over all requests looks after all, and so does a request after NGRAM_RECHECK skips), one whose accepted paths
+    hold n-gram-only nodes keeps looking, and so does one whose matches alone would accept nearly as much (their
+    round may replace the drafter's); a request whose drafting is off always looks, and the fixed planner never
+    decides."""
+    from glance_sgl.planner import NGRAM_RECHECK
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+    assert planner.cheap_rows(["a"], 16) == [16], "nothing measured yet: look"
+    for i in range(6):
+        planner.cheap_rows(["served", "copied", "replayed"], 16)
+        _merged_round(planner, "served", ngram_only=0)
+        _merged_round(planner, "copied", ngram_only=4)
+        _merged_round(planner, "replayed", ngram_only=0, alone=6)
+    looks = [planner.cheap_rows(["served", "copied", "replayed"], 16) for _ in range(3 * NGRAM_RECHECK)]
+    assert all(rows[1] == 16 for rows in looks), "the lookups pay for the request they add to"
+    assert all(rows[2] == 16 for rows in looks), "... and for the one whose matches alone could do the round"
+    served = [rows[0] for rows in looks]
+    assert served.count(1) > len(served) // 2 and 16 in served, "skipped, with a look now and then"
+    st = planner.state("served")
+    st.paused = True  # drafting off: the lookup is the round
+    assert planner.cheap_rows(["served"], 16) == [16]
+    fixed = Planner(linear_costs(), max_nodes=15, max_depth=15, mode="fixed")
+    fixed.cheap_ms, fixed.cheap_looks_all = 0.5, 5.0
+    assert fixed.cheap_rows(["x", "y"], 8) == [8, 8]
+
+
+def test_weak_matches_stand_as_the_rival_but_take_no_rows_from_the_drafter():
+    """Per request, the matches join the drafter's tree only where their own round expects half a draft or
+    more; ``only_requests`` leaves the others' nodes out of the merge (untagged), the tree itself unchanged."""
+    from glance_sgl.planner import Plan
+    from glance_sgl.round import only_requests
+    from glance_sgl.tree import SOURCE_NGRAM, merge_trees
+
+    planner = Planner(linear_costs(), max_nodes=15, max_depth=15)
+    assert planner.merge_worth(Plan(3, [1.2, 2.5, 1.5], drafted=False)) == [False, True, True]
+    tokens = torch.tensor([[5, 6, 7], [5, 8, 9]])
+    matches = DraftTree(tokens, torch.tensor([[-1, 0, 1]] * 2), torch.tensor([[0, 1, 2]] * 2),
+                        torch.zeros(2, 3), torch.tensor([[0, SOURCE_NGRAM, SOURCE_NGRAM]] * 2))
+    drafter = DraftTree(torch.tensor([[5, 1], [5, 2]]), torch.tensor([[-1, 0]] * 2), torch.tensor([[0, 1]] * 2),
+                        torch.zeros(2, 2))
+    assert only_requests(matches, [True, True]) is matches
+    merged = merge_trees([drafter, only_requests(matches, [False, True])], 8)
+    assert sorted(merged.tokens[0][merged.source_tags()[0] > 0].tolist()) == [1]
+    assert sorted(merged.tokens[1][merged.source_tags()[1] > 0].tolist()) == [2, 8, 9]
