@@ -79,6 +79,7 @@ PROBE_OPTIMISM = 2.0  # a due probe runs where the drafter's gain could be this 
 NGRAM_RECHECK = 8
 NGRAM_TREND = 0.7
 NGRAM_PRIOR = 1.0  # weight, in looks, of what lookups added over all requests (a request's prior)
+NGRAM_ALL_TREND = 0.98  # weight of the past in that over-all record (per drafting round that looked)
 # ... and it keeps looking where the matches' round alone would come within 1 / RIVAL_SLACK of the drafting
 # round's tokens per ms (verifying RIVAL_ROWS rows): there the lookup is what lets the gate drop the drafter pass
 RIVAL_SLACK = 1.25
@@ -86,7 +87,6 @@ RIVAL_ROWS = 8
 # A request's matches join the drafter's tree only where their own round expects at least this many drafts: weak
 # matches otherwise take rows from the drafter's nodes (their scores are learned over all traffic)
 MERGE_MIN_DRAFTS = 0.5
-NGRAM_ALL_TREND = 0.98  # weight of the past in that over-all record (per drafting round that looked)
 COST_TREND = 0.9  # weight of the past in the measured ms of a lookup
 
 
@@ -705,20 +705,19 @@ class Planner:
             out.append(1 if skip else rows)
         return out
 
-    def merge_worth(self, alternative: "Plan") -> list[bool]:
-        """Per request, whether the matches' candidates join the drafter's tree: where the round they allow alone
-        (``alternative``, :meth:`choose` with ``drafter_ran=False``) expects ``MERGE_MIN_DRAFTS`` drafts or more.
-        Weaker matches still stand as the round the drafter has to beat."""
-        if not alternative.expected_tokens:
-            return [True] * len(alternative.raw_accept or [])
+    def merge_worth(self, rids: Sequence[object], alternative: "Plan") -> list[bool]:
+        """Per request of ``rids``, whether the matches' candidates join the drafter's tree: where the round they
+        allow alone (``alternative``, :meth:`choose` with ``drafter_ran=False``) expects ``MERGE_MIN_DRAFTS``
+        drafts or more. Weaker matches still stand as the round the drafter has to beat."""
         return [t - 1.0 >= MERGE_MIN_DRAFTS for t in alternative.expected_tokens]
 
     def _lookup_pays(self, st: RequestPlanState, bs: int) -> bool:
         """Whether a drafting request's lookup is worth its ms (:meth:`cheap_rows`)."""
-        looks, all_looks = NGRAM_PRIOR + st.cheap_looks, self.cheap_looks_all / NGRAM_PRIOR
-        share = (self.cheap_share_all / all_looks + st.cheap_share) / looks
-        alone = (self.cheap_alone_all / all_looks + st.cheap_alone) / looks
-        tokens = (self.cheap_tokens_all / all_looks + st.cheap_tokens) / looks
+        # each mean: the request's own sums with the over-all mean worth NGRAM_PRIOR looks
+        prior, looks = NGRAM_PRIOR / self.cheap_looks_all, NGRAM_PRIOR + st.cheap_looks
+        share = (prior * self.cheap_share_all + st.cheap_share) / looks
+        alone = (prior * self.cheap_alone_all + st.cheap_alone) / looks
+        tokens = (prior * self.cheap_tokens_all + st.cheap_tokens) / looks
         nodes = self.fixed_nodes if st.last_nodes < 0 else st.last_nodes
         round_ms = self.costs.round_ms(nodes, bs) / bs
         cheap_ms = self.cheap_ms or 0.0
@@ -887,19 +886,18 @@ class Planner:
         rival_tokens = [1.0] * bs if rival is None else rival.expected_tokens
         raw = plan.raw_accept or [0.0] * bs
         cheap_only = [0] * bs if only is None else only.get(SOURCE_NGRAM, [0] * bs)
-        cheap_alone = report.alone if report.alone is not None else [0] * bs
-        for r, h, a, s, o, pred, extra, by_itself in zip(report.rids, lead_entropies, report.accepted, alone,
-                                                         rival_tokens, raw, cheap_only, cheap_alone):
+        for r, h, a, s, o, pred, extra in zip(report.rids, lead_entropies, report.accepted, alone, rival_tokens, raw,
+                                              cheap_only):
             st = self.state(r)
             a, s = float(a), float(s)
             if st.looked and only is not None and plan.nodes > 0:  # what its lookup added to this round
                 share = float(extra) / (1.0 + a)
                 st.cheap_share = NGRAM_TREND * st.cheap_share + share
-                st.cheap_alone = NGRAM_TREND * st.cheap_alone + float(by_itself)
+                st.cheap_alone = NGRAM_TREND * st.cheap_alone + s
                 st.cheap_tokens = NGRAM_TREND * st.cheap_tokens + 1.0 + a
                 st.cheap_looks = NGRAM_TREND * st.cheap_looks + 1.0
                 self.cheap_share_all = NGRAM_ALL_TREND * self.cheap_share_all + share
-                self.cheap_alone_all = NGRAM_ALL_TREND * self.cheap_alone_all + float(by_itself)
+                self.cheap_alone_all = NGRAM_ALL_TREND * self.cheap_alone_all + s
                 self.cheap_tokens_all = NGRAM_ALL_TREND * self.cheap_tokens_all + 1.0 + a
                 self.cheap_looks_all = NGRAM_ALL_TREND * self.cheap_looks_all + 1.0
             gain = max(a - s, 0.0)  # what the drafter added over the rival round's own acceptance
@@ -968,8 +966,8 @@ class AlwaysDraft:
     def cheap_rows(self, rids: Sequence[object], rows: int) -> list[int]:
         return [rows] * len(rids)
 
-    def merge_worth(self, alternative: Plan) -> list[bool]:
-        return [True] * max(len(alternative.expected_tokens), 1)
+    def merge_worth(self, rids: Sequence[object], alternative: Plan) -> list[bool]:
+        return [True] * len(rids)
 
     acceptance = None  # other sources score their nodes with their own priors
 
@@ -1008,9 +1006,9 @@ class RandomPlanner(Planner):
         """Each request looks up the sources without a model pass with probability 3/4."""
         return [rows if self.rng.random() < 3 / 4 else 1 for _ in rids]
 
-    def merge_worth(self, alternative: Plan) -> list[bool]:
+    def merge_worth(self, rids, alternative: Plan) -> list[bool]:
         """Each request's matches join the drafter's tree with probability 3/4."""
-        return [self.rng.random() < 3 / 4 for _ in alternative.expected_tokens]
+        return [self.rng.random() < 3 / 4 for _ in rids]
 
     def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
                drafter_ran: bool = True) -> Plan:

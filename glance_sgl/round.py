@@ -131,7 +131,7 @@ class RoundPolicy(Protocol):
 
     def cheap_rows(self, rids: Sequence[Hashable], rows: int) -> list[int]: ...
 
-    def merge_worth(self, alternative: Plan) -> list[bool]: ...
+    def merge_worth(self, rids: Sequence[Hashable], alternative: Plan) -> list[bool]: ...
 
     def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor,
                sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan: ...
@@ -253,7 +253,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         trees = [d.propose(batch, rows) for d in drafters]
         tm = time.perf_counter()
         if fallback is not None:  # the matches of the requests where they are worth rows next to the drafter's
-            trees.append(only_requests(fallback, planner.merge_worth(alternative)))
+            trees.append(only_requests(fallback, planner.merge_worth(batch.rids, alternative)))
         candidates = one_tree(trees, rows, max_depth)
         t1 = time.perf_counter()
         cheap_s += t1 - tm if fallback is not None else 0.0

@@ -545,7 +545,7 @@ def test_weak_matches_stand_as_the_rival_but_take_no_rows_from_the_drafter():
     from glance_sgl.tree import SOURCE_NGRAM, merge_trees
 
     planner = Planner(linear_costs(), max_nodes=15, max_depth=15)
-    assert planner.merge_worth(Plan(3, [1.2, 2.5, 1.5], drafted=False)) == [False, True, True]
+    assert planner.merge_worth(["a", "b", "c"], Plan(3, [1.2, 2.5, 1.5], drafted=False)) == [False, True, True]
     tokens = torch.tensor([[5, 6, 7], [5, 8, 9]])
     matches = DraftTree(tokens, torch.tensor([[-1, 0, 1]] * 2), torch.tensor([[0, 1, 2]] * 2),
                         torch.zeros(2, 3), torch.tensor([[0, SOURCE_NGRAM, SOURCE_NGRAM]] * 2))
