@@ -60,7 +60,10 @@ NAMESPACE_STRIDE = 1 << 19
 NAMESPACES = (2**31 - 1) // NAMESPACE_STRIDE - 1
 # Inserts wait in a corpus's queue until a lookup reads that corpus, or until this many tokens wait: one insert
 # call per lookup instead of one per round (an insert call costs ~0.15 ms on 2 cores, a round's n-grams far less;
-# a drafting request whose lookups the planner skips would otherwise pay it every round for nothing)
+# a drafting request whose lookups the planner skips would otherwise pay it every round for nothing). A corpus the
+# latest lookup read is flushed as soon as a round's commits reach it: SGLang's insert thread stores them while the
+# engine finishes the round and schedules the next, where a flush just before the lookup would make the lookup wait
+# for the whole insert (``synchronize``: 0.19 ms of a 9 ms SGLang step on 2 cores, fresh traffic at 1 in flight)
 MAX_QUEUED_TOKENS = 8192
 
 _IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
@@ -208,6 +211,7 @@ class NgramSource:
         self._default_acceptance = SourceAcceptance(max_depth=self.settings.max_depth)
         self._hindsight: SourceAcceptance | None = None  # the table proposals are labelled into (propose's)
         self._queued: dict[int, tuple[Any, list[list[int]], int]] = {}  # id(corpus) -> (corpus, windows, tokens)
+        self._read: set[int] = set()  # id() of the corpora read since the last commit (its puts flush at once)
         self.published_tokens = 0
         if self._cls is not None:
             try:  # the first NgramCorpus JIT-builds SGLang's C++ (tens of seconds once, cached on disk)
@@ -286,7 +290,7 @@ class NgramSource:
         queued.extend(windows)
         tokens += sum(len(w) for w in windows)
         self._queued[id(corpus)] = (corpus, queued, tokens)
-        if tokens >= MAX_QUEUED_TOKENS:
+        if tokens >= MAX_QUEUED_TOKENS or id(corpus) in self._read:
             self._flush(corpus)
 
     def _flush(self, corpus: Any) -> None:
@@ -374,6 +378,7 @@ class NgramSource:
             if corpus is not None:
                 self._put(corpus, windows)
                 self.published_tokens += published[key]
+        self._read.clear()  # a round without lookups leaves the next round's commits queued
         self._label(items)
 
     def _label(self, items: Sequence[tuple[Hashable, Sequence[int]]]) -> None:
@@ -419,6 +424,7 @@ class NgramSource:
         """Drop every corpus (their SGLang insert threads end)."""
         self._requests.clear()
         self._queued.clear()
+        self._read.clear()
         self._own = None
         self._corpora.clear()
 
@@ -496,6 +502,7 @@ class NgramSource:
         continuation joins the tree under it, until ``max_depth``: verbatim copies are drafted as deep as the
         drafter's block, not ``max_nodes`` deep."""
         s = self.settings
+        self._read.clear()
         reqs = [self._requests[rids[b]] for b in live]
         queries: list[_Query] = []
         by_key: dict[str, list[int]] = {}
@@ -537,6 +544,7 @@ class NgramSource:
         groups: dict[int, list[int]] = {}
         for i, q in enumerate(queries):
             groups.setdefault(id(q.corpus), []).append(i)
+        self._read.update(groups)
         ids_of: list[np.ndarray] = [None] * len(queries)  # type: ignore[list-item]
         mask_of: list[np.ndarray] = [None] * len(queries)  # type: ignore[list-item]
         for members in groups.values():

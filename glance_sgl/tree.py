@@ -208,6 +208,9 @@ def tree_pointers(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     same parent. -1 where none. ``parents`` [B, R] -> two [B, R] long tensors.
     """
     bs, r = parents.shape
+    if r <= SQUARING_MAX_ROWS and parents.device.type == "cpu":  # the per-round case: one pass over host lists
+        first, nxt = zip(*(_pointer_rows(par) for par in parents.tolist())) if bs else ((), ())
+        return (torch.tensor(first, dtype=torch.long).view(bs, r), torch.tensor(nxt, dtype=torch.long).view(bs, r))
     rows = torch.arange(r, device=parents.device)
     big = torch.full((bs, r, r), r, dtype=torch.long, device=parents.device)
     # is_child[b, p, c]: row c's parent is p
@@ -220,6 +223,24 @@ def tree_pointers(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     first_child = torch.where(first_child == r, -1, first_child)
     next_sibling = torch.where(next_sibling == r, -1, next_sibling)
     return first_child, next_sibling
+
+
+def _pointer_rows(parents: list[int]) -> tuple[list[int], list[int]]:
+    """One tree's first-child and next-sibling rows (-1 where none) as plain lists, any row order: a row's first
+    child is its smallest child row, its next sibling the smallest later row with the same parent."""
+    first = [-1] * len(parents)
+    nxt = [-1] * len(parents)
+    last: dict[int, int] = {}  # parent -> its latest child row seen so far
+    for c, p in enumerate(parents):
+        if p < 0:
+            continue
+        if first[p] < 0:
+            first[p] = c
+        prev = last.get(p)
+        if prev is not None:
+            nxt[prev] = c
+        last[p] = c
+    return first, nxt
 
 
 # ------------------------------------------------------------------------------------------ candidate sources

@@ -388,7 +388,24 @@ def test_queued_inserts_reach_lookups_and_never_another_tenant():
     src.add_request("a2", [9], key="tenant-a")
     src.commit("a2", [40])
     assert (41, 42, 43, 44) in paths_of(src.propose(["a2"], rows=8))
-    src.commit("a", [45, 46])  # queued for tenant-a's corpus ...
+    src.commit("a", [45])  # inserted at once: the last lookup read tenant-a's corpus (see the next test)
+    src.commit("a", [46, 47])  # queued for tenant-a's corpus: no lookup since ...
     src.add_request("b", [9], key="tenant-b")
     src.commit("b", [44])  # ... which tenant-b's corpus replaces (max_keys 1)
-    assert not any(p[:2] == (45, 46) for p in paths_of(src.propose(["b"], rows=8)))
+    assert not any(p[:2] == (46, 47) for p in paths_of(src.propose(["b"], rows=8)))
+
+
+def test_commits_after_a_lookup_insert_at_once():
+    """A round's commits to a corpus its lookup read are inserted at commit (SGLang's insert thread stores them
+    while the engine finishes the round, so the next lookup does not wait for the insert); a round without a lookup
+    leaves its commits queued."""
+    src = NgramSource(small(scope="shared"))
+    src.add_request("a", [1, 2, 3])
+    src.commit("a", [40])
+    src.propose(["a"], rows=8)  # reads the shared and the own corpus
+    src.commit("a", [41])
+    assert not src._queued
+    src.commit("a", [42])  # no lookup in between
+    assert src._queued
+    src.propose(["a"], rows=8)
+    assert not src._queued

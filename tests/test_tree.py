@@ -492,3 +492,17 @@ def test_accepted_alone_is_what_a_walk_of_the_smaller_tree_accepts(seed):
         assert got.tolist() == expect.tolist()
         checked += int((expect > 0).sum())
     assert checked > 0  # the n-gram trees were taken now and then: the check is not vacuous
+
+
+def test_host_pointers_equal_the_tensor_pointers():
+    """Small trees on the host take one pass over lists; the same rows padded past ``SQUARING_MAX_ROWS`` (extra
+    roots: no children, no siblings) take the tensor path, and the two agree, rows in any order."""
+    from glance_sgl.tree import SQUARING_MAX_ROWS
+
+    gen = torch.Generator().manual_seed(11)
+    for r in (1, 2, 9, 33, SQUARING_MAX_ROWS):
+        parents = torch.randint(-1, r, (4, r), generator=gen)
+        pad = torch.full((4, SQUARING_MAX_ROWS + 1), -1, dtype=torch.long)
+        first, nxt = tree_pointers(parents)
+        wide_first, wide_nxt = tree_pointers(torch.cat([parents, pad], dim=1))
+        assert torch.equal(first, wide_first[:, :r]) and torch.equal(nxt, wide_nxt[:, :r])

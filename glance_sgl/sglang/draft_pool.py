@@ -42,6 +42,9 @@ def draft_cell_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: t
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+MAX_DEFERRED = 64  # deferred writes (steps) kept before a flush projects them: one projection per 64 AR steps
+
+
 class DraftKVPool:
     """Per drafter layer, K and V ``[size, kv_heads, head_dim]`` indexed by SGLang token slots."""
 
@@ -76,8 +79,11 @@ class DraftKVPool:
             v_buf[slots] = v[0].transpose(0, 1).to(v_buf.dtype)
 
     def defer(self, slots: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor) -> None:
-        """:meth:`write` later, at the next :meth:`flush` (same arguments)."""
+        """:meth:`write` later, at the next :meth:`flush` (same arguments); flushed at once when
+        ``MAX_DEFERRED`` writes wait (a batch whose requests all stopped drafting holds no more than that)."""
         self._pending.append((slots.to(self.k[0].device, torch.long), taps, positions))
+        if len(self._pending) >= MAX_DEFERRED:
+            self.flush()
 
     def flush(self) -> None:
         """Write every deferred row in one projection; of two writes to one slot, the later one stays."""

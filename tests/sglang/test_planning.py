@@ -203,3 +203,22 @@ def test_deferred_draft_kv_writes_keep_the_later_write_of_a_slot():
     for a, b in zip(deferred.k + deferred.v, direct.k + direct.v):
         assert torch.allclose(a[1:], b[1:], atol=1e-6)  # slot 0 is the padding slot
     deferred.flush()  # nothing pending: a no-op
+
+
+def test_deferred_draft_kv_writes_are_bounded():
+    """A batch that never drafts again does not hoard deferred writes: after ``MAX_DEFERRED`` of them they are
+    projected (the pool then equals writing each at once) and the queue starts over."""
+    from glance_sgl.sglang.draft_pool import MAX_DEFERRED, DraftKVPool
+
+    d = _drafter()
+    g = torch.Generator().manual_seed(4)
+    deferred, direct = (DraftKVPool(d, size=4 * MAX_DEFERRED, device="cpu", dtype=torch.float32) for _ in range(2))
+    for step in range(MAX_DEFERRED + 3):
+        slots, taps, pos = torch.tensor([1 + step]), torch.randn(1, 64, generator=g), torch.tensor([step])
+        deferred.defer(slots, taps, pos)
+        direct.write(slots, taps, pos)
+        assert len(deferred._pending) == (step + 1) % MAX_DEFERRED
+    written = 1 + MAX_DEFERRED  # slots 1 .. MAX_DEFERRED went in at the bound's flush, the last three wait
+    for a, b in zip(deferred.k + deferred.v, direct.k + direct.v):
+        assert torch.allclose(a[1:written], b[1:written], atol=1e-6)
+        assert not a[written:written + 3].any()
