@@ -37,7 +37,8 @@ The same harness for every method, each method in a fresh engine in its own proc
 one method after the other, or with ``--interleave`` all engines alive at once and each scenario's request chunks
 run by every method in a rotating order (robust to a busy shared machine); every engine is warmed up at every
 concurrency level first (the auto planner calibrates its cost model on the first batches of
-each size, or loads its cached calibration). Scenarios:
+each size, or loads its cached calibration) with requests that are never measured (other demo prompts, other
+wild pictures: no n-gram corpus holds the start of a measured answer). Scenarios:
 
 - ``demo c=K``: the demo evaluation prompts (images included) with K requests in flight (a new one starts when
   one finishes); output tokens/s = completion tokens / wall time (prefill included);
@@ -290,21 +291,40 @@ def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _warm_up(eng: EngineProcess, scenarios: dict[str, tuple[list[dict[str, Any]], int]]) -> None:
-    for reqs, c in scenarios.values():  # every level (short answers): calibration lands here, not in the runs
-        eng.generate([{**r, "max_tokens": 16} for r in reqs[: 2 * c]], concurrency=c)
+Warm = list[tuple[list[dict[str, Any]], int]]  # (requests, requests in flight) an engine runs before measuring
+
+
+def warm_up_requests(model: Path, scenarios: dict[str, tuple[list[dict[str, Any]], int]], prompts: int,
+                     max_tokens: int) -> Warm:
+    """What every engine runs first, at every level of ``scenarios`` (2 x in flight, short answers): the auto
+    planner calibrates there, not in the runs. Requests of the same kinds that are never measured (demo: the
+    evaluation prompts after the first ``prompts``; wild: other pictures), so that no corpus (NGRAM's, GLANCE's
+    n-gram source) holds the start of a measured answer before its run."""
+    from glance_sgl.demo.tasks import TASKS, eval_set
+
+    widest = max((c for _, c in scenarios.values()), default=1)
+    other = wild_requests(model, 2 * widest, max_tokens, seed=1)
+    room = min(len(eval_set(t)) for t in TASKS) * len(TASKS) - prompts  # evaluation prompts never measured
+    spare = demo_requests(model, prompts + 2 * widest, max_tokens)[0][prompts:] if room >= 2 * widest else other
+    return [((spare if name.startswith("demo") else other)[: 2 * c], c) for name, (_, c) in scenarios.items()]
+
+
+def _warm_up(eng: EngineProcess, warm: Warm) -> None:
+    for reqs, c in warm:
+        eng.generate([{**r, "max_tokens": 16} for r in reqs], concurrency=c)
 
 
 def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[list[dict[str, Any]], int]],
-               log_dir: Path | None, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Every scenario (name -> (requests, requests in flight)) on one fresh engine; ``demo c=1`` (if present)
-    also gives decode tokens/s. An engine that fails gives a row with ``error`` (and what it measured before)."""
+               log_dir: Path | None, env: dict[str, str] | None = None, warm: Warm = ()) -> dict[str, Any]:
+    """Every scenario (name -> (requests, requests in flight)) on one fresh engine, after ``warm``
+    (:func:`warm_up_requests`); ``demo c=1`` (if present) also gives decode tokens/s. An engine that fails gives a
+    row with ``error`` (and what it measured before)."""
     log = (log_dir / f"{method}.log") if log_dir else None
     out: dict[str, Any] = {"method": method, "scenarios": {}}
     try:
         with EngineProcess(kwargs, env=env, log_path=log) as eng:
             out["startup_s"] = eng.startup_s
-            _warm_up(eng, scenarios)
+            _warm_up(eng, warm)
             for name, (reqs, c) in scenarios.items():
                 row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1")])
                 print(f"[bench] {method} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
@@ -316,7 +336,7 @@ def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[l
 
 
 def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs: dict[str, dict[str, str]],
-                    scenarios: dict[str, tuple[list[dict[str, Any]], int]], log_dir: Path | None
+                    scenarios: dict[str, tuple[list[dict[str, Any]], int]], log_dir: Path | None, warm: Warm = ()
                     ) -> list[dict[str, Any]]:
     """Every method's fresh engine alive at once; each scenario's requests in chunks (2 x in flight, at least
     4), every chunk run by every method in an order that rotates from chunk to chunk, so that a busy spell on a
@@ -343,7 +363,7 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
         for m in list(engines):
             try:
                 rows[m]["startup_s"] = engines[m].wait_ready().startup_s
-                _warm_up(engines[m], scenarios)
+                _warm_up(engines[m], warm)
             except Exception as exc:
                 fail(m, exc)
         for name, (reqs, c) in scenarios.items():
@@ -522,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.wild:
         wild = wild_requests(args.model, args.wild, args.max_tokens)
         scenarios.update({f"wild c={c}": (wild, c) for c in _levels(args.wild_concurrency, "--wild-concurrency", p)})
+    warm = warm_up_requests(args.model, scenarios, args.prompts, args.max_tokens)
     kwargs = {m: engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
                                args.glance_draft_tokens, not args.disable_cuda_graph, args.overlap) for m in methods}
     envs = {m: engine_env(m, stats, args.count_host_reads, args.overlap) for m in methods}
@@ -539,13 +560,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.interleave and runnable:
         print(f"[bench] {', '.join(runnable)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
               flush=True)
-        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir):
+        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir, warm):
             _log_stats(args, r, stats)
             done[r["method"]] = r
     else:
         for m in runnable:
             print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
-            r = done[m] = run_method(m, kwargs[m], scenarios, args.log_dir, env=envs[m])
+            r = done[m] = run_method(m, kwargs[m], scenarios, args.log_dir, env=envs[m], warm=warm)
             _log_stats(args, r, stats)
             write(ordered())
     rows = ordered()

@@ -108,3 +108,18 @@ def test_overlap_note_and_error_line(tmp_path):
                        "ValueError: Speculative algorithm GLANCE does not support overlap scheduling.\n")
     assert bench.error_line(exc) == "ValueError: Speculative algorithm GLANCE does not support overlap scheduling."
     assert bench.error_line(RuntimeError("boom")) == "RuntimeError: boom"
+
+
+def test_warm_up_never_runs_a_measured_request():
+    """The engines warm up (calibrate) at every level on requests of the same kinds that are not measured: no
+    corpus holds the start of a measured answer before its run."""
+    from glance_sgl.sglang.runner import demo_requests, wild_requests
+
+    demo, _ = demo_requests(MODEL, 6, 8)
+    wild = wild_requests(MODEL, 4, 8)
+    scenarios = {"demo c=1": (demo, 1), "demo c=4": (demo, 4), "wild c=2": (wild, 2)}
+    warm = bench.warm_up_requests(MODEL, scenarios, 6, 8)
+    assert [c for _, c in warm] == [1, 4, 2] and [len(r) for r, _ in warm] == [2, 8, 4]
+    measured = {(r["text"], r["image"]) for r in demo + wild}
+    assert not any((r["text"], r["image"]) in measured for reqs, _ in warm for r in reqs)
+    assert {r["text"] for r in warm[1][0]} <= {r["text"] for r in demo_requests(MODEL, 14, 8)[0][6:]}
