@@ -88,6 +88,13 @@ RIVAL_ROWS = 8
 # matches otherwise take rows from the drafter's nodes (their scores are learned over all traffic)
 MERGE_MIN_DRAFTS = 0.5
 COST_TREND = 0.9  # weight of the past in the measured ms of a lookup
+# What a request's matches actually give against what their calibrated scores predict (the scores are learned over
+# all traffic, where most matches are short and fail; a replayed answer's chain is taken whole): the gate weighs
+# the round without the drafter at its predicted drafts times this ratio (a request's own record, decayed by
+# MATCH_TREND per round that measured it, with a prior of one predicted draft that came true), capped at
+# MATCH_RATIO_MAX. Only the gate: the row choice keeps the calibrated scores.
+MATCH_TREND = 0.7
+MATCH_RATIO_MAX = 4.0
 
 
 # ---------------------------------------------------------------------------------------------------- costs
@@ -485,6 +492,10 @@ class RequestPlanState:
     cheap_looks: float = 0.0
     looked: bool = True
     cheap_skipped: int = 0
+    # rounds without the drafter that this request verified or was credited with (``RoundReport.alone``): their
+    # predicted and their actual accepted drafts, decayed by MATCH_TREND (see ``match_ratio``)
+    match_pred: float = 1.0
+    match_actual: float = 1.0
 
     @property
     def probe_due(self) -> bool:
@@ -508,6 +519,11 @@ class RequestPlanState:
     @property
     def tree_ratio(self) -> float:
         return min(self.tree_actual / self.tree_pred, 1.5)
+
+    @property
+    def match_ratio(self) -> float:
+        """Actual / predicted accepted drafts of this request's rounds without the drafter (MATCH_RATIO_MAX)."""
+        return min(self.match_actual / self.match_pred, MATCH_RATIO_MAX)
 
     def decay(self) -> None:
         self.recent_accepted *= RECENT
@@ -768,7 +784,8 @@ class Planner:
         ms."""
         bs = len(states)
         tree_round = alternative is not None and alternative.nodes > 0
-        other = list(alternative.expected_tokens) if tree_round else [1.0] * bs
+        other = [1.0 + (o - 1.0) * st.match_ratio for o, st in zip(alternative.expected_tokens, states)] \
+            if tree_round else [1.0] * bs
         last = max((st.last_nodes for st in states), default=-1)
         ref = self.fixed_nodes if last <= 0 else min(last, self.fixed_nodes)
         if tree_round:
@@ -854,6 +871,7 @@ class Planner:
         if report.cheap_ms is not None:
             self.cheap_ms = report.cheap_ms if self.cheap_ms is None else \
                 COST_TREND * self.cheap_ms + (1.0 - COST_TREND) * report.cheap_ms
+        self._observe_matches(report)
         if report.drafted:
             self._observe_accepts(report, leads, only)
         if report.lead_entropies is not None:
@@ -866,6 +884,21 @@ class Planner:
         if None not in (report.drafter_ms, report.pass_ms, report.host_ms):
             self.costs.observe_round(report.rows, report.batch, report.drafted, report.drafter_ms, report.pass_ms,
                                      report.host_ms)
+
+    def _observe_matches(self, report: RoundReport) -> None:
+        """Each request's predicted and actual drafts of the round without the drafter: the round itself where it
+        ran (n-gram candidates only), else what it would have accepted inside a drafting round that weighed it
+        (``alternative`` / ``alone``)."""
+        if report.drafted:
+            plan, actual = report.alternative, report.alone
+        else:
+            plan, actual = (report.plan, report.accepted) if report.rows > 1 else (None, None)
+        if plan is None or actual is None or not plan.raw_accept or plan.nodes <= 0:
+            return
+        for r, pred, got in zip(report.rids, plan.raw_accept, actual):
+            st = self.state(r)
+            st.match_pred = MATCH_TREND * st.match_pred + float(pred)
+            st.match_actual = MATCH_TREND * st.match_actual + float(got)
 
     def _observe_accepts(self, report: RoundReport, lead_entropies: Sequence[float | None],
                          only: dict[int, list[int]] | None = None) -> None:

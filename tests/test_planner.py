@@ -555,3 +555,32 @@ def test_weak_matches_stand_as_the_rival_but_take_no_rows_from_the_drafter():
     merged = merge_trees([drafter, only_requests(matches, [False, True])], 8)
     assert sorted(merged.tokens[0][merged.source_tags()[0] > 0].tolist()) == [1]
     assert sorted(merged.tokens[1][merged.source_tags()[1] > 0].tolist()) == [2, 8, 9]
+
+
+def test_the_gate_weighs_a_requests_matches_at_what_they_actually_gave():
+    """The matches' scores are learned over all traffic, where most matches fail: a replayed answer's chain is
+    predicted a couple of drafts and gives the whole block. A request whose rounds without the drafter gave more
+    than predicted (n-gram rounds, or ``alone`` inside drafting rounds) has them weighed at that ratio (capped) by
+    the gate, so it passes up the drafter there; another request keeps the calibrated prediction. The row choice
+    does not read the ratio."""
+    from glance_sgl.planner import MATCH_RATIO_MAX, Plan
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+    weak = Plan(7, [3.0], drafted=False, raw_accept=[2.0])  # the matches' round as the scores see it
+    for _ in range(6):  # replay: the n-gram rounds take the whole chain, and a drafting round credits it too
+        planner.report(RoundReport(["replay"], weak, 8, [7], None, None, [0.01]))
+    planner.report(RoundReport(["replay"], Plan(9, [9.0], drafted=True, raw_accept=[8.0]), 10, [8], None, None,
+                               [0.01], alternative=weak, alone=[7]))
+    st, fresh = planner.state("replay"), planner.state("fresh")
+    assert 2.0 < st.match_ratio <= MATCH_RATIO_MAX and fresh.match_ratio == 1.0
+    other, _, _ = planner._stakes([st, fresh], Plan(7, [3.0, 3.0], drafted=False, raw_accept=[2.0, 2.0]))
+    assert other[0] == pytest.approx(1.0 + 2.0 * st.match_ratio) and other[1] == 3.0
+    # the gain the drafter has to show over the matches: none left over a whole replayed block
+    planner.begin("replay", 0.01)
+    planner.begin("fresh", 0.01)
+    for _ in range(30):  # the drafter's gain over matches like these: 3 drafts a round
+        planner.begin("other", 0.01)
+        planner.report(RoundReport(["other"], Plan(9, [9.0], drafted=True, raw_accept=[8.0]), 10, [5], None, None,
+                                   [0.01], alternative=weak, alone=[2]))
+    assert planner._pays(["fresh"], [0.01], [fresh], weak)
+    assert not planner._pays(["replay"], [0.01], [st], weak)
