@@ -347,9 +347,13 @@ def test_fixed_tree_walk_feedback_runs_on_a_real_walk():
 def test_verify_ms_many_walks_the_curve_like_verify_ms():
     costs = CostModel([1, 2, 4, 8, 16, 32], [1.0, 1.1, 1.3, 1.9, 2.5, 4.0], [1], [0.5])
     costs.scale = 1.25
-    rows = list(range(1, 70))
+    rows = list(range(0, 70))  # below the first point and past the last: the end segments extrapolate
     for batch in (1, 3):
         assert costs.verify_ms_many(rows, batch) == pytest.approx([costs.verify_ms(r, batch) for r in rows])
+        shuffled = rows[::7] + rows[3::7]  # not ascending: one point at a time
+        assert costs.verify_ms_many(shuffled, batch) == pytest.approx([costs.verify_ms(r, batch) for r in shuffled])
+    one = CostModel([8], [2.0], [1], [0.5])  # a one-point curve scales with the rows
+    assert one.verify_ms_many([1, 4, 16]) == pytest.approx([one.verify_ms(r) for r in (1, 4, 16)])
 
 
 def test_in_a_batch_probes_wait_until_half_the_batch_is_due_and_one_drafted_batch_probes_all():
