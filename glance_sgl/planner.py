@@ -131,19 +131,8 @@ class CostModel:
         return _interp(self.verify_rows, self.verify_ms_at, float(rows * batch)) * self.scale
 
     def verify_ms_many(self, rows: Sequence[int], batch: int = 1) -> list[float]:
-        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs (every
-        step, twice with n-gram candidates). Ascending ``rows`` walk the curve once instead of a bisection each."""
-        xs, ys = self.verify_rows, self.verify_ms_at
-        if len(xs) == 1 or any(b < a for a, b in zip(rows, rows[1:])):
-            return [self.verify_ms(r, batch) for r in rows]
-        out, i, last = [], 1, len(xs) - 1
-        for r in rows:
-            x = float(r * batch)
-            while i < last and xs[i] < x:  # the segment bisect_left picks: xs[i - 1] < x <= xs[i] (or an end one)
-                i += 1
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            out.append(max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) * self.scale)
-        return out
+        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs."""
+        return [self.verify_ms(r, batch) for r in rows]
 
     def draft_ms(self, batch: int = 1) -> float:
         return _interp(self.draft_batch, self.draft_ms_at, float(batch)) * self.scale
