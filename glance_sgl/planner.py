@@ -376,15 +376,18 @@ class DepthCalibration:
         return torch.exp(scores.float() + c).clamp(max=1.0)
 
     def observe(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
-                accepted_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
+                accepted_rows: torch.Tensor, accept_lens: torch.Tensor, counted: torch.Tensor | None = None
+                ) -> None:
         """One verified batch of trees ([B, R] each; ``accepted_rows`` [B, >=1] with -1 padding, [B] lengths).
+        ``counted`` (bool [B, R]): the drafter's own nodes of a merged tree (the others' scores are not the
+        drafter's): only they count, a depth is a hit where the walk took one of them; None: every node.
         Host tensors of a small batch (the embedded engine) take :meth:`_observe_host`: the same sums in a few list
         passes instead of some twenty tiny tensor ops (about 0.1 ms of a round on 2 cores), unless ``host_lists`` is
         off (a device-resident step on a CPU device reads nothing back either)."""
         on_host = self.host_lists and all(t.device.type == "cpu"
                                           for t in (parents, scores, depths, accepted_rows, accept_lens))
         if on_host and self.predicted.device.type == "cpu" and parents.shape[0] <= HOST_OBSERVE_MAX_BATCH:
-            self._observe_host(parents, scores, depths, accepted_rows, accept_lens)
+            self._observe_host(parents, scores, depths, accepted_rows, accept_lens, counted)
             return
         bs, r = parents.shape
         dev = parents.device
@@ -393,33 +396,47 @@ class DepthCalibration:
         on_path.scatter_(1, torch.where(rows >= 0, rows, r), True)
         on_path = on_path[:, :r]
         parent_on_path = on_path.gather(1, parents.clamp(min=0)) & (parents >= 0)
+        if counted is not None:
+            parent_on_path &= counted.to(dev)
         # children of a path node (one per reached depth): the drafter's chances, given their parent, that the
         # walk goes on through them
         cond = torch.exp(scores.float() - scores.float().gather(1, parents.clamp(min=0))) * parent_on_path
         pred = torch.zeros(bs, self.max_depth + 2, dtype=torch.float64, device=dev)
         pred.scatter_add_(1, depths.clamp(max=self.max_depth + 1), cond.double())
-        reach = torch.arange(self.max_depth + 2, device=dev)[None, :] <= accept_lens.to(dev)[:, None]
-        hit = reach.double()
+        if counted is None:
+            reach = torch.arange(self.max_depth + 2, device=dev)[None, :] <= accept_lens.to(dev)[:, None]
+            hit = reach.double()
+        else:  # the accepted rows the drafter proposed, by their depth
+            took = counted.to(dev).gather(1, rows.clamp(min=0)) & (rows >= 0)
+            hit = torch.zeros(bs, self.max_depth + 2, dtype=torch.float64, device=dev)
+            hit.scatter_add_(1, depths.gather(1, rows.clamp(min=0)).clamp(max=self.max_depth + 1), took.double())
         hit[:, 0] = 0.0
         # the sums live where the trees do: a device-resident step reads nothing back for them
         self.predicted = self.predicted.to(dev).mul_(self.decay).add_(pred.sum(0)[: self.max_depth + 1])
         self.hits = self.hits.to(dev).mul_(self.decay).add_(hit.sum(0)[: self.max_depth + 1])
 
     def _observe_host(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
-                      accepted_rows: torch.Tensor, accept_lens: torch.Tensor) -> None:
+                      accepted_rows: torch.Tensor, accept_lens: torch.Tensor, counted: torch.Tensor | None = None
+                      ) -> None:
         """:meth:`observe` on host lists (same sums; the conditional probabilities in float32, as there)."""
         top = self.max_depth + 1
         pred, hit = [0.0] * top, [0.0] * top
         par, dep, acc, lens = parents.tolist(), depths.tolist(), accepted_rows.tolist(), accept_lens.tolist()
+        mine = None if counted is None else counted.tolist()
         # exp(score - parent's score) of every row, in float32 like the tensor path; only path children count
         cond = torch.exp(scores.float() - scores.float().gather(1, parents.clamp(min=0))).tolist()
         for b in range(len(par)):
             on_path = {row for row in acc[b] if row >= 0}
             for i, p in enumerate(par[b]):
-                if p >= 0 and p in on_path and dep[b][i] < top:
+                if p >= 0 and p in on_path and dep[b][i] < top and (mine is None or mine[b][i]):
                     pred[dep[b][i]] += cond[b][i]
-            for d in range(1, min(int(lens[b]), top - 1) + 1):
-                hit[d] += 1.0
+            if mine is None:
+                for d in range(1, min(int(lens[b]), top - 1) + 1):
+                    hit[d] += 1.0
+            else:
+                for row in on_path:
+                    if row > 0 and mine[b][row] and dep[b][row] < top:
+                        hit[dep[b][row]] += 1.0
         self.predicted.mul_(self.decay).add_(torch.tensor(pred, dtype=torch.float64))
         self.hits.mul_(self.decay).add_(torch.tensor(hit, dtype=torch.float64))
 
@@ -905,10 +922,13 @@ class Planner:
         """What a drafted round accepted: per-depth calibration, entropy table, each request's record, probes.
         ``only``: per source, accepted drafts per request that no other source proposed (merged trees)."""
         plan, tree, walk = report.plan, report.tree, report.walk
-        # the drafter's per-depth calibration, from its own trees (a merged tree's other nodes are calibrated by
-        # ``acceptance``)
-        if tree is not None and walk is not None and plan.nodes > 0 and getattr(tree, "sources", None) is None:
-            self.depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
+        # the drafter's per-depth calibration, from its own nodes (a merged tree's other nodes are calibrated by
+        # ``acceptance``): calibrating from its unmerged trees only left it to the rounds without a lookup, whose
+        # acceptance differs (a request's first round always looks)
+        if tree is not None and walk is not None and plan.nodes > 0:
+            tags = getattr(tree, "sources", None)
+            self.depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens,
+                               None if tags is None else tags == SOURCE_DRAFTER)
         bs = report.batch
         round_ms = self.costs.round_ms(plan.nodes, bs)
         # the round drafting had to beat: the other sources' round, or an AR step

@@ -135,16 +135,21 @@ def test_depth_calibration_learns_how_often_the_target_agrees():
     assert factor[1] > 0.5
 
 
+@pytest.mark.parametrize("counted", ["all", "mask"])
 @pytest.mark.parametrize("bs", [1, 3])
-def test_depth_calibration_host_and_tensor_paths_agree(bs, monkeypatch):
+def test_depth_calibration_host_and_tensor_paths_agree(bs, counted, monkeypatch):
     """The host-list path (small CPU batches) and the tensor path learn the same sums from the same walks:
-    random trees, random target choices (every walk depth), a depth cap below the trees' depths."""
+    random trees, random target choices (every walk depth), a depth cap below the trees' depths; with every node
+    the drafter's (no mask, or a mask of every node: the same sums) and with a random set of them (a merged tree's
+    drafter nodes)."""
     import glance_sgl.planner as planner_mod
 
     gen = torch.Generator().manual_seed(bs)
     paths = {}
-    for path in ("host", "tensor"):
-        monkeypatch.setattr(planner_mod, "HOST_OBSERVE_MAX_BATCH", 16 if path == "host" else 0)
+    for path in ("host", "tensor", "host-masked-all"):
+        if counted == "mask" and path == "host-masked-all":
+            continue
+        monkeypatch.setattr(planner_mod, "HOST_OBSERVE_MAX_BATCH", 0 if path == "tensor" else 16)
         depth = DepthCalibration(5, decay=0.9)
         gen.manual_seed(bs)
         for step in range(12):
@@ -161,11 +166,19 @@ def test_depth_calibration_host_and_tensor_paths_agree(bs, monkeypatch):
                         choices[b, parent] = tree.tokens[b, row]
             walk = verify_tree(tree.tokens, tree.parents, tree.depths, torch.nn.functional.one_hot(
                 choices, 50).float(), torch.zeros(bs, dtype=torch.long), [SamplingSpec()] * bs)
-            depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
+            mask = None
+            if counted == "mask":
+                mask = torch.rand(tuple(tree.tokens.shape), generator=gen) < 0.7
+            elif path == "host-masked-all":
+                mask = torch.ones(tuple(tree.tokens.shape), dtype=torch.bool)
+            depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens, mask)
         paths[path] = (depth.predicted.clone(), depth.hits.clone())
     assert torch.allclose(paths["host"][0], paths["tensor"][0], rtol=1e-9, atol=1e-12)
     assert torch.equal(paths["host"][1], paths["tensor"][1])
-    assert paths["host"][1][-1] > 0.9 ** 11  # some walks reached the cap
+    if counted == "all":
+        assert paths["host"][1][-1] > 0.9 ** 11  # some walks reached the cap
+        assert torch.allclose(paths["host"][0], paths["host-masked-all"][0]) and \
+            torch.equal(paths["host"][1], paths["host-masked-all"][1])
 
 
 def test_choose_weighs_expected_tokens_against_cost():
@@ -588,3 +601,33 @@ def test_the_gate_weighs_a_requests_matches_at_what_they_actually_gave():
                                    [0.01], alternative=weak, alone=[2]))
     assert planner._pays(["fresh"], [0.01], [fresh], weak)
     assert not planner._pays(["replay"], [0.01], [st], weak)
+
+
+def test_merged_rounds_calibrate_the_drafter_on_its_own_nodes_only():
+    """A merged tree calibrates the drafter's depth factors from the drafter's nodes: a walk through an n-gram
+    node is no drafter hit, and an n-gram node's score is no drafter prediction. (Before, merged trees were
+    skipped, which left the calibration to the rounds without a lookup and biased it.)"""
+    from glance_sgl.planner import Plan
+    from glance_sgl.tree import SOURCE_DRAFTER, SOURCE_NGRAM, SOURCE_NONE
+
+    # root -> 1 (drafter, p 0.5) -> 2 (drafter, p 0.5 of 1); root -> 3 (n-gram)
+    tree = DraftTree(torch.tensor([[0, 11, 12, 13]]), torch.tensor([[-1, 0, 1, 0]]), torch.tensor([[0, 1, 2, 1]]),
+                     torch.log(torch.tensor([[1.0, 0.5, 0.25, 0.9]])),
+                     torch.tensor([[SOURCE_NONE, SOURCE_DRAFTER, SOURCE_DRAFTER, SOURCE_NGRAM]]))
+    planner = Planner(linear_costs(), max_nodes=3, max_depth=3)
+    before = (planner.depth.predicted.clone(), planner.depth.hits.clone())
+    through_ngram = verify_tree(tree.tokens, tree.parents, tree.depths,
+                                torch.nn.functional.one_hot(torch.tensor([[13, 0, 0, 0]]), 20).float(),
+                                torch.zeros(1, dtype=torch.long), [SamplingSpec()])
+    planner.report(RoundReport(["r"], Plan(3, [2.0], raw_accept=[1.0]), 4, [1], tree, through_ngram, [0.1]))
+    pred, hits = planner.depth.predicted - before[0] * planner.depth.decay, planner.depth.hits - before[1] * planner.depth.decay
+    assert pred[1] == pytest.approx(0.5) and hits[1] == pytest.approx(0.0)  # the drafter's child, not taken
+    assert pred[2] == pytest.approx(0.0)  # its grandchild: its parent was not on the path
+    through_drafter = verify_tree(tree.tokens, tree.parents, tree.depths,
+                                  torch.nn.functional.one_hot(torch.tensor([[11, 12, 0, 0]]), 20).float(),
+                                  torch.zeros(1, dtype=torch.long), [SamplingSpec()])
+    before = (planner.depth.predicted.clone(), planner.depth.hits.clone())
+    planner.report(RoundReport(["r"], Plan(3, [2.0], raw_accept=[1.0]), 4, [2], tree, through_drafter, [0.1]))
+    pred, hits = planner.depth.predicted - before[0] * planner.depth.decay, planner.depth.hits - before[1] * planner.depth.decay
+    assert hits[1] == pytest.approx(1.0) and hits[2] == pytest.approx(1.0)
+    assert pred[1] == pytest.approx(0.5) and pred[2] == pytest.approx(0.5)
