@@ -60,10 +60,11 @@ NAMESPACE_STRIDE = 1 << 19
 NAMESPACES = (2**31 - 1) // NAMESPACE_STRIDE - 1
 # Inserts wait in a corpus's queue until a lookup reads that corpus, or until this many tokens wait: one insert
 # call per lookup instead of one per round (an insert call costs ~0.15 ms on 2 cores, a round's n-grams far less;
-# a drafting request whose lookups the planner skips would otherwise pay it every round for nothing). A corpus the
-# latest lookup read is flushed as soon as a round's commits reach it: SGLang's insert thread stores them while the
-# engine finishes the round and schedules the next, where a flush just before the lookup would make the lookup wait
-# for the whole insert (``synchronize``: 0.19 ms of a 9 ms SGLang step on 2 cores, fresh traffic at 1 in flight)
+# a drafting request whose lookups the planner skips would otherwise pay it every round for nothing). A corpus a
+# lookup read since the last commit is flushed as soon as a round's commits reach it: SGLang's insert thread stores
+# them while the engine finishes the round and schedules the next, where a flush just before the lookup would make
+# the lookup wait for the whole insert (``synchronize``: 0.19 ms of a 9 ms SGLang step on 2 cores, fresh traffic at
+# 1 in flight)
 MAX_QUEUED_TOKENS = 8192
 
 _IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
@@ -282,8 +283,8 @@ class NgramSource:
         return corpus
 
     def _put(self, corpus: Any, windows: list[list[int]]) -> None:
-        """Queue ``windows`` for ``corpus`` (inserted by :meth:`_flush` before a lookup reads it, or once
-        ``MAX_QUEUED_TOKENS`` tokens wait)."""
+        """Queue ``windows`` for ``corpus`` (inserted by :meth:`_flush` before a lookup reads it, once
+        ``MAX_QUEUED_TOKENS`` tokens wait, or at once where a lookup read it since the last commit)."""
         if not windows:
             return
         _, queued, tokens = self._queued.get(id(corpus), (corpus, [], 0))
@@ -502,7 +503,6 @@ class NgramSource:
         continuation joins the tree under it, until ``max_depth``: verbatim copies are drafted as deep as the
         drafter's block, not ``max_nodes`` deep."""
         s = self.settings
-        self._read.clear()
         reqs = [self._requests[rids[b]] for b in live]
         queries: list[_Query] = []
         by_key: dict[str, list[int]] = {}
