@@ -40,12 +40,17 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import torch
 
-from .tree import SOURCE_NGRAM, CandidateTrie, DraftTree, HindsightTree, SourceAcceptance, _rows_per_request, pack_trees
+from .tree import (CONTEXT_ANY, CONTEXT_ON_TRACK, SOURCE_NGRAM, CandidateTrie, DraftTree, HindsightTree,
+                   SourceAcceptance, _rows_per_request, pack_trees)
 
 log = logging.getLogger(__name__)
 
 SCOPES = ("shared", "per-key", "off")
 MAX_PENDING = 8  # proposals per request awaiting hindsight labels; beyond it the oldest is labelled as far as known
+# A request whose last this many committed tokens were, one after the other, its proposals' first choices is on
+# track (copying a passage, replaying an answer): its proposals are scored and labelled in their own acceptance
+# context (SourceAcceptance, CONTEXT_ON_TRACK)
+ON_TRACK_TOKENS = 4
 MATCH_TYPES = ("BFS", "PROB")
 PUBLISH = ("live", "finished")
 _CHAIN = "\x00chain"  # suffix of a request's match-state id for its chains' continuations
@@ -178,6 +183,7 @@ class _Request:
     # context the answer's first n-grams are published with
     pending: list[HindsightTree] = field(default_factory=list)  # proposals awaiting their labels, oldest first
     pending_at: int = -1  # ``total`` when the newest pending proposal was made (one per position)
+    streak: int = 0  # its latest committed tokens that its proposals had as first choices (ON_TRACK_TOKENS)
     # the tokens its prompt follows by another (an own lookup whose root is none of them finds nothing), while its
     # output goes to a cross-request corpus only; None: the own corpus takes its output too, every lookup runs
     starts: frozenset[int] | None = None
@@ -390,7 +396,13 @@ class NgramSource:
         ready: list[HindsightTree] = []
         for rid, tokens in items:
             req = self._requests.get(rid)
-            if req is None or not req.pending or not tokens:
+            if req is None or not tokens:
+                continue
+            # the streak goes on where this round's proposal (made where these tokens start) foresaw them all
+            latest = req.pending[-1] if req.pending and req.pending_at == req.total - len(tokens) else None
+            hit, unbroken = latest.foreseen(tokens) if latest is not None else (0, False)
+            req.streak = req.streak + hit if unbroken else 0
+            if not req.pending:
                 continue
             keep = []
             for tree in req.pending:
@@ -468,24 +480,34 @@ class NgramSource:
         live = [b for b, k in enumerate(known) if k and budgets[b] > 1 and self.available]
         if live:
             self._lookup(rids, live, tries)
-        table = (acceptance or self._default_acceptance).log_table(SOURCE_NGRAM)
+        table = acceptance or self._default_acceptance
+        logs: dict[int, list[list[float]]] = {}
         label = acceptance is not None and SOURCE_NGRAM in acceptance.hindsight
         if label:
             self._hindsight = acceptance
         packed = []
         for b, trie in enumerate(tries):
             if len(trie) > 1:
-                ranks = trie.rescore(table, SOURCE_NGRAM, in_order=True)
+                context = self.context(rids[b])
+                if context not in logs:
+                    logs[context] = table.log_table(SOURCE_NGRAM, context)
+                ranks = trie.rescore(logs[context], SOURCE_NGRAM, in_order=True)
                 if label:
-                    self._pend(self._requests[rids[b]], trie, ranks)
+                    self._pend(self._requests[rids[b]], trie, ranks, context)
             packed.append(trie.best_first(budgets[b] - 1))
         return pack_trees(packed, device)
 
+    def context(self, rid: Hashable) -> int:
+        """The acceptance context ``rid``'s next proposal is scored in: ``CONTEXT_ON_TRACK`` where its last
+        ``ON_TRACK_TOKENS`` committed tokens or more were its proposals' first choices, else ``CONTEXT_ANY``."""
+        req = self._requests.get(rid)
+        return CONTEXT_ON_TRACK if req is not None and req.streak >= ON_TRACK_TOKENS else CONTEXT_ANY
+
     @staticmethod
-    def _pend(req: _Request, trie: CandidateTrie, ranks: list[int]) -> None:
-        """Keeps ``req``'s whole proposal (every node, verified or not) for its hindsight labels; a second
-        proposal from the same position replaces the first."""
-        tree = HindsightTree(list(trie.tokens), list(trie.parents), list(trie.depths), ranks)
+    def _pend(req: _Request, trie: CandidateTrie, ranks: list[int], context: int) -> None:
+        """Keeps ``req``'s whole proposal (every node, verified or not) for its hindsight labels, in the context
+        it was scored in; a second proposal from the same position replaces the first."""
+        tree = HindsightTree(list(trie.tokens), list(trie.parents), list(trie.depths), ranks, context=context)
         if req.pending_at == req.total and req.pending:
             req.pending[-1] = tree
         else:

@@ -29,6 +29,11 @@ SOURCE_DRAFTER = 1  # the block drafter (every node of a tree whose ``sources`` 
 SOURCE_NGRAM = 2  # n-gram matches (glance_sgl.ngram_source)
 SOURCE_BOTH = SOURCE_DRAFTER | SOURCE_NGRAM
 SOURCE_NAMES = {SOURCE_DRAFTER: "drafter", SOURCE_NGRAM: "ngram"}
+# acceptance contexts of a hindsight-labelled source (SourceAcceptance): its proposals in general, and those made
+# while the request's latest committed tokens were the source's own predictions (glance_sgl.ngram_source: a copy)
+CONTEXT_ANY = 0
+CONTEXT_ON_TRACK = 1
+CONTEXTS = (CONTEXT_ANY, CONTEXT_ON_TRACK)
 
 
 @dataclass
@@ -467,6 +472,11 @@ class SourceAcceptance:
     planner chose to verify, so cells it rarely verifies (deep n-gram nodes) keep their prior and stay unverified:
     the estimate is biased by the choice it drives. The committed continuation is the target's own (greedy: the
     same tokens whatever was verified; sampling: its samples), so hindsight labels are unbiased at every depth.
+
+    Hindsight cells also come per ``context`` (``CONTEXTS``: 0, or ``CONTEXT_ON_TRACK`` for a proposal made while
+    the request's latest tokens were the source's own predictions, ``NgramSource``'s streak): a request copying a
+    passage or replaying an answer takes nearly every node, while matches elsewhere mostly fail, and one table for
+    both would score the copy by the failures.
     """
 
     def __init__(self, max_depth: int = 16, ranks: int = 2, decay: float = 0.995,
@@ -482,15 +492,29 @@ class SourceAcceptance:
         self._prior_tries = torch.full((max_depth + 1, ranks), float(prior_weight), dtype=torch.float64)
         self.hits = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
         self.tries = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
+        # the cells of contexts other than 0 (hindsight sources), (source, context) -> (hits, tries), made on first use
+        self._context_cells: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.hindsight: set[int] = set()  # sources labelled by observe_hindsight (see the class doc)
 
-    def probs(self, source: int) -> torch.Tensor:
-        """[max_depth + 1, ranks] float64 conditional acceptance of ``source`` (row 0 unused)."""
-        return (self.hits[source] + self._prior_hits) / (self.tries[source] + self._prior_tries)
+    def cells(self, source: int, context: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hits, tries) of ``source`` in ``context``, each [max_depth + 1, ranks] float64 decayed counts."""
+        if context == 0:
+            return self.hits[source], self.tries[source]
+        if context not in CONTEXTS:
+            raise ValueError(f"acceptance context must be one of {CONTEXTS}, got {context}")
+        key = (source, context)
+        if key not in self._context_cells:
+            self._context_cells[key] = (torch.zeros_like(self.hits[source]), torch.zeros_like(self.tries[source]))
+        return self._context_cells[key]
 
-    def log_table(self, source: int) -> list[list[float]]:
-        """``probs(source)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore``."""
-        return self.probs(source).log().tolist()
+    def probs(self, source: int, context: int = 0) -> torch.Tensor:
+        """[max_depth + 1, ranks] float64 conditional acceptance of ``source`` in ``context`` (row 0 unused)."""
+        hits, tries = self.cells(source, context)
+        return (hits + self._prior_hits) / (tries + self._prior_tries)
+
+    def log_table(self, source: int, context: int = 0) -> list[list[float]]:
+        """``probs(source, context)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore``."""
+        return self.probs(source, context).log().tolist()
 
     def observe(self, tree: DraftTree, accepted_rows: torch.Tensor) -> dict[int, list[int]]:
         """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding).
@@ -528,15 +552,21 @@ class SourceAcceptance:
                 self._add(src, tries[src], hits[src])
         return only
 
-    def _add(self, source: int, tries: Sequence[float], hits: Sequence[float]) -> None:
-        """One batch's counts of ``source`` (flat ``[depth * ranks + rank]`` host lists), after one decay step."""
-        self.tries[source].mul_(self.decay).view(-1).add_(torch.tensor(tries, dtype=torch.float64))
-        self.hits[source].mul_(self.decay).view(-1).add_(torch.tensor(hits, dtype=torch.float64))
+    def _add(self, source: int, tries: Sequence[float], hits: Sequence[float], context: int = 0) -> None:
+        """One batch's counts of ``source`` in ``context`` (flat ``[depth * ranks + rank]`` host lists), after one
+        decay step."""
+        cell_hits, cell_tries = self.cells(source, context)
+        cell_tries.mul_(self.decay).view(-1).add_(torch.tensor(tries, dtype=torch.float64))
+        cell_hits.mul_(self.decay).view(-1).add_(torch.tensor(hits, dtype=torch.float64))
 
     def observe_hindsight(self, source: int, trees: Sequence["HindsightTree"]) -> None:
         """One round's matured proposals of ``source`` (each a :class:`HindsightTree` with the tokens committed
-        after it), as one decayed batch: a node is tried where its parent is on the committed path and its depth
-        within the known continuation, and hit where its token is the continuation's."""
+        after it), as one decayed batch per context of theirs: a node is tried where its parent is on the committed
+        path and its depth within the known continuation, and hit where its token is the continuation's."""
+        for context in sorted({t.context for t in trees}):
+            self._observe_context(source, [t for t in trees if t.context == context], context)
+
+    def _observe_context(self, source: int, trees: Sequence["HindsightTree"], context: int) -> None:
         n, ranks, top = (self.max_depth + 1) * self.ranks, self.ranks, self.max_depth
         tries, hits = [0.0] * n, [0.0] * n
         for t in trees:
@@ -551,24 +581,41 @@ class SourceAcceptance:
                 if t.tokens[i] == future[d - 1]:
                     on_path[i] = True
                     hits[cell] += 1.0
-        self._add(source, tries, hits)
+        self._add(source, tries, hits, context)
 
 
 @dataclass
 class HindsightTree:
     """A proposed candidate trie awaiting its labels (``SourceAcceptance.observe_hindsight``): its nodes' tokens,
     parents (every parent before its children; node 0 the root), depths and sibling ranks (-1: not the labelled
-    source's), and ``future``: the tokens committed after its root so far. ``depth``: its deepest node's."""
+    source's), ``future``: the tokens committed after its root so far, and ``context``: the acceptance context
+    it was scored in (``SourceAcceptance``). ``depth``: its deepest node's."""
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
     ranks: list[int]
     future: list[int] = field(default_factory=list)
+    context: int = 0
     depth: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.depth = max(self.depths)  # read on every commit while the tree is pending: computed once
+
+    def foreseen(self, tokens: Sequence[int]) -> tuple[int, bool]:
+        """How ``tokens`` (committed right after the root) went along the tree's first choices (rank-0 nodes):
+        (how many of them, from the first, were the first choice after the previous one; whether the tree never
+        put another first: they were all first choices, or the first-choice path ended in a leaf)."""
+        node, hit = 0, 0
+        for token in tokens:
+            first = next((i for i in range(node + 1, len(self.tokens))
+                          if self.parents[i] == node and self.ranks[i] == 0), None)
+            if first is None:
+                return hit, True  # a leaf: nothing foreseen past it, nothing contradicted
+            if self.tokens[first] != token:
+                return hit, False
+            node, hit = first, hit + 1
+        return hit, True
 
     @property
     def mature(self) -> bool:

@@ -14,6 +14,8 @@ import torch
 
 from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource, ngram_corpus_class
 from glance_sgl.tree import (
+    CONTEXT_ANY,
+    CONTEXT_ON_TRACK,
     SOURCE_DRAFTER,
     SOURCE_NGRAM,
     SOURCE_NONE,
@@ -409,3 +411,27 @@ def test_commits_after_a_lookup_insert_at_once():
     assert src._queued
     src.propose(["a"], rows=8)
     assert not src._queued
+
+
+def test_a_request_copying_its_matches_is_scored_on_track():
+    """After ON_TRACK_TOKENS committed tokens its proposals foresaw as first choices, a request's proposals are
+    scored (and labelled) in the on-track context; a miss puts it back."""
+    src = NgramSource(small(scope="off"))
+    acc = NgramCandidates(src, SourceAcceptance(max_depth=6, decay=1.0)).acceptance
+    hits, tries = acc.cells(SOURCE_NGRAM, CONTEXT_ON_TRACK)
+    hits += 50.0  # a learned on-track table: every node taken
+    tries += 50.0
+    src.add_request("r", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1])
+    assert src.context("r") == CONTEXT_ANY
+    first = src.propose(["r"], rows=4, acceptance=acc)
+    src.commit("r", [2, 3])
+    assert src.context("r") == CONTEXT_ANY  # 2 foreseen: not yet
+    src.propose(["r"], rows=4, acceptance=acc)
+    src.commit("r", [4, 5])
+    assert src.context("r") == CONTEXT_ON_TRACK
+    copy = src.propose(["r"], rows=4, acceptance=acc)
+    assert copy.scores[0, 1:].min() > first.scores[0, 1:].min()  # the copy's nodes score as likely
+    src.commit("r", [9])  # the first choice was 6
+    assert src.context("r") == CONTEXT_ANY
+    src.commit("r", [1])  # no proposal made there: the streak stays broken
+    assert src.context("r") == CONTEXT_ANY

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from glance_sgl.tree import (
+    CONTEXT_ON_TRACK,
     SOURCE_BOTH,
     SOURCE_DRAFTER,
     SOURCE_NGRAM,
@@ -506,3 +507,27 @@ def test_host_pointers_equal_the_tensor_pointers():
         first, nxt = tree_pointers(parents)
         wide_first, wide_nxt = tree_pointers(torch.cat([parents, pad], dim=1))
         assert torch.equal(first, wide_first[:, :r]) and torch.equal(nxt, wide_nxt[:, :r])
+
+
+def test_hindsight_contexts_are_learned_apart():
+    """A proposal made while its request was on track (copying) is labelled in its own context, so a copy's
+    successes do not lift the estimate of matches elsewhere, nor their failures sink the copy's."""
+    acc = SourceAcceptance(max_depth=2, ranks=1, decay=1.0)
+    chain = ([9, 1, 2], [-1, 0, 1], [0, 1, 2], [-1, 0, 0])
+    acc.observe_hindsight(SOURCE_NGRAM, [HindsightTree(*chain, future=[1, 2], context=CONTEXT_ON_TRACK),
+                                         HindsightTree(*chain, future=[7, 7])])
+    assert acc.cells(SOURCE_NGRAM, CONTEXT_ON_TRACK)[1][1:, 0].tolist() == [1, 1]
+    assert acc.hits[SOURCE_NGRAM][1:, 0].tolist() == [0, 0] and acc.tries[SOURCE_NGRAM][1:, 0].tolist() == [1, 0]
+    assert acc.probs(SOURCE_NGRAM, CONTEXT_ON_TRACK)[1, 0] > 0.5 > acc.probs(SOURCE_NGRAM)[1, 0]
+    assert acc.log_table(SOURCE_NGRAM, CONTEXT_ON_TRACK)[2][0] > acc.log_table(SOURCE_NGRAM)[2][0]
+    with pytest.raises(ValueError):
+        acc.probs(SOURCE_NGRAM, 5)
+
+
+def test_foreseen_follows_the_first_choices():
+    # root 9 -> 1 (rank 0) -> 2 (rank 0) -> 3; root -> 4 (rank 1)
+    tree = HindsightTree([9, 1, 4, 2, 3], [-1, 0, 0, 1, 3], [0, 1, 1, 2, 3], [-1, 0, 1, 0, 0])
+    assert tree.foreseen([1, 2]) == (2, True)
+    assert tree.foreseen([1, 2, 3, 8]) == (3, True)  # past the leaf: nothing contradicted
+    assert tree.foreseen([1, 5]) == (1, False)
+    assert tree.foreseen([4]) == (0, False)  # in the tree, but not its first choice
