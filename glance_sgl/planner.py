@@ -557,6 +557,9 @@ class Plan:
     expected_tokens: list[float]
     drafted: bool = True
     raw_accept: list[float] = field(default_factory=list)  # tree-predicted accepted drafts before tree_ratio
+    # a round without the drafter (``skip``): whether its lead entropies are kept for the next gate (False while
+    # every request of the batch has its drafting off: the round need not compute them)
+    keeps_leads: bool = True
 
 
 @dataclass
@@ -831,7 +834,12 @@ class Planner:
             st.decay()
             if st.drafted_rounds and not st.paused:
                 st.paused, st.probe_interval = True, MIN_PROBE_INTERVAL
-        return Plan(0, [1.0] * len(rids), drafted=False)
+        return Plan(0, [1.0] * len(rids), drafted=False, keeps_leads=not self._leads_unread(rids))
+
+    def _leads_unread(self, rids: Sequence[object]) -> bool:
+        """Whether no gate reads these requests' lead entropies after a round without the drafter: every one of
+        them has its drafting off (paused or held back; a probe then reads none)."""
+        return all(self.state(r).drafting_off for r in rids)
 
     # ------------------------------------------------------------ step 2: how many nodes
     def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None
@@ -891,13 +899,12 @@ class Planner:
         self._observe_matches(report)
         if report.drafted:
             self._observe_accepts(report, leads, only)
-        if report.lead_entropies is not None:
-            # kept only where the next gate may read it (not while every request of a batch that did not draft is
-            # paused or held back)
-            if report.drafted or not all(self.state(r).drafting_off for r in report.rids):
-                self.leads.update(zip(report.rids, report.lead_entropies))
-            else:
-                self.leads.update((r, None) for r in report.rids)
+        # kept only where the next gate may read it (not while every request of a batch that did not draft is
+        # paused or held back: such a round computes none, ``Plan.keeps_leads``)
+        if not report.drafted and self._leads_unread(report.rids):
+            self.leads.update((r, None) for r in report.rids)
+        elif report.lead_entropies is not None:
+            self.leads.update(zip(report.rids, report.lead_entropies))
         if None not in (report.drafter_ms, report.pass_ms, report.host_ms):
             self.costs.observe_round(report.rows, report.batch, report.drafted, report.drafter_ms, report.pass_ms,
                                      report.host_ms)

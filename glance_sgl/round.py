@@ -29,6 +29,7 @@ a valid tree, and the walk (``glance_sgl.verify``) commits only the target's own
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -189,15 +190,21 @@ def lead_rows(logits: torch.Tensor, walk: WalkResult) -> torch.Tensor:
     return logits[torch.arange(logits.shape[0], device=dev), last]
 
 
-def round_numbers(walk: WalkResult, lead: torch.Tensor, alone: torch.Tensor | None = None
-                  ) -> tuple[list[int], list[float], list[int] | None]:
+def round_numbers(walk: WalkResult, lead: torch.Tensor | None, alone: torch.Tensor | None = None
+                  ) -> tuple[list[int], list[float] | None, list[int] | None]:
     """What the planner learns from a round, read to the host at once (one read, wherever the walk ran): accepted
-    nodes per request, the lead entropies (nats) of ``lead`` [bs, V] and, where given, ``alone`` [bs] (what the
-    round without the drafter would have accepted, ``glance_sgl.tree.accepted_alone``)."""
-    h = entropy_tensor(lead)
-    rows = [walk.accept_lens.to(h.device, h.dtype), h] + ([] if alone is None else [alone.to(h.device, h.dtype)])
+    nodes per request, the lead entropies (nats) of ``lead`` [bs, V] (None: none wanted, None returned) and, where
+    given, ``alone`` [bs] (what the round without the drafter would have accepted,
+    ``glance_sgl.tree.accepted_alone``)."""
+    accepted = walk.accept_lens
+    if lead is None and alone is None:
+        return [int(a) for a in accepted.tolist()], None, None
+    h = entropy_tensor(lead) if lead is not None else None
+    dev, dtype = (h.device, h.dtype) if h is not None else (accepted.device, torch.float32)
+    rows = [accepted.to(dev, dtype)] + ([] if h is None else [h]) + ([] if alone is None else [alone.to(dev, dtype)])
     host = torch.stack(rows).tolist()
-    return [int(a) for a in host[0]], host[1], None if alone is None else [int(a) for a in host[2]]
+    return ([int(a) for a in host[0]], None if h is None else host[1],
+            None if alone is None else [int(a) for a in host[-1]])
 
 
 def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int | Sequence[int],
@@ -248,6 +255,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     cheap_s = time.perf_counter() - t0
     # 2. gate: does the drafter's pass pay for this batch now, over that round? (every rank takes rank 0's answer)
     drafting = bool(drafters) and bool(target.agree(int(planner.gate(batch.rids, alternative))))
+    keeps_leads = True  # whether the planner keeps this round's lead entropies (a drafting round's: always)
     if drafting:
         # 3. the drafter's candidates merged with the others, and how many rows of them to verify
         trees = [d.propose(batch, rows) for d in drafters]
@@ -261,7 +269,9 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     else:
         t1 = time.perf_counter()
         skipped = planner.skip(batch.rids)  # the drafter's record: a round without it
-        candidates, plan = (None, skipped) if alternative is None else (fallback, alternative)
+        keeps_leads = skipped.keeps_leads
+        candidates, plan = ((None, skipped) if alternative is None else
+                            (fallback, dataclasses.replace(alternative, keeps_leads=keeps_leads)))
     # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs (the root alone: an AR step)
     active = candidates is not None
     tree = candidates.prefix(target.agree(target.width(plan.nodes + 1))) if active else root_tree(batch.roots)
@@ -284,7 +294,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     ta = time.perf_counter()
     alone = accepted_alone(fallback.prefix(alternative.nodes + 1), walk.committed_tokens) if rival else None
     cheap_s += time.perf_counter() - ta if rival else 0.0
-    accepted, lead, alone_host = round_numbers(walk, lead_rows(out.logits, walk), alone)
+    lead_logits = lead_rows(out.logits, walk) if drafting or keeps_leads else None
+    accepted, lead, alone_host = round_numbers(walk, lead_logits, alone)
     t4 = time.perf_counter()
     # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
     report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if active else None,

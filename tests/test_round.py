@@ -52,7 +52,10 @@ def test_round_reports_once_keeps_the_committed_prefix_and_matches_ar(engines):
         assert state.length == prompt.num_tokens + len(committed) - 1
         rep = planner.reports[-1]
         assert rep is r.report and rep.rows == r.tree.num_rows and rep.accepted == r.walk.accept_lens.tolist()
-        assert (rep.tree is not None) == r.drafted and len(rep.lead_entropies) == 1
+        assert (rep.tree is not None) == r.drafted
+        # the lead entropy is computed where the planner keeps it: a drafting round, or a batch not all held back
+        assert (rep.lead_entropies is not None) == (r.drafted or r.plan.keeps_leads)
+        assert rep.lead_entropies is None or len(rep.lead_entropies) == 1
         # committed tokens wait in the drafter's stash until its next pass (which flushed the earlier ones)
         assert source.stash and (not r.drafted or len(source.stash) == 1)
     assert committed[: len(ar)] == ar
@@ -82,6 +85,29 @@ def test_a_planner_owns_the_lead_entropy_through_the_round(engines):
     assert abs(planner.lead_entropy("r") - entropy_nats(r.out.logits[0, last])) < 1e-5
     planner.forget("r")
     assert planner.lead_entropy("r") is None and "r" not in planner.known()
+
+
+def test_a_round_no_gate_reads_computes_no_lead_entropy(engines):
+    """While every request of a batch has its drafting off (paused), no gate reads its lead entropy: the round
+    without the drafter computes none, and the planner holds none for it."""
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    planner = Planner(engine.cost_model(), max_nodes=engine.budget, max_depth=engine.block_size - 1)
+    state, rows = target.prefill(target.prepare(make_prompts(1, seed=24)[0]), taps=taps)
+    source = CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k)
+    committed = [int(rows.logits[-1].argmax())]
+    planner.begin("r", entropy_nats(rows.logits[-1]))
+    st = planner.state("r")
+    st.paused, st.probe_interval, st.ar_streak = True, 10**6, 0  # held back, no probe due
+    batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([1]), [SamplingSpec()])
+    r = speculative_round(batch, planner, [source], CachePass(target, state, taps), max_depth=engine.block_size - 1)
+    assert not r.drafted and not r.plan.keeps_leads and r.report.lead_entropies is None
+    assert planner.lead_entropy("r") is None
+    st.paused, st.hold = False, 0  # a request not held back, which the gate declines: its lead is kept
+    planner.mode = "off"
+    r = speculative_round(batch, planner, [source], CachePass(target, state, taps), max_depth=engine.block_size - 1)
+    assert r.plan.keeps_leads and r.report.lead_entropies is not None
+    assert planner.lead_entropy("r") == r.report.lead_entropies[0]
 
 
 class _CountingSource:
