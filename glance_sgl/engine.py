@@ -535,7 +535,7 @@ class GlanceEngine:
                                    else None)
                     metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None)
                 else:
-                    new_tokens, rec = self.speculative_round(request, out.token_ids, spec)
+                    new_tokens, rec = self.speculative_round(request, out.token_ids, spec, logprobs=k is not None)
                     kept = out.add(new_tokens, token_logprobs(rec.choice_logits, new_tokens, k) if k is not None
                                    else None)
                     if request.history is not None:
@@ -567,12 +567,12 @@ class GlanceEngine:
         """Target choices for rows ``logits`` [R, V] at ``depths`` [R]; output index of depth 0 is next_index."""
         return target_choices(logits[None], depths[None], torch.tensor([next_index]), [spec])[0]
 
-    def speculative_round(self, request: SpeculativeRequest, committed: list[int], spec: SamplingSpec
-                          ) -> tuple[list[int], RoundRecord]:
+    def speculative_round(self, request: SpeculativeRequest, committed: list[int], spec: SamplingSpec,
+                          logprobs: bool = False) -> tuple[list[int], RoundRecord]:
         """One round of ``glance_sgl.round`` for this request (a batch of one): the planner decides whether to
         draft and how big a tree to verify, one target pass verifies it, the accepted KV stays and the drafter
         is fed (deferred: a round without drafting is an AR step whose tap features wait for the next drafter
-        pass). Returns (tokens to commit, what the round did)."""
+        pass). Returns (tokens to commit, what the round did; its ``choice_logits`` only with ``logprobs``)."""
         batch = RoundBatch([request.rid], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [spec],
                            None if request.history is None else [request.history])
         r = speculative_round(batch, request.policy, request.sources or [request.drafter], request.target,
@@ -584,7 +584,8 @@ class GlanceEngine:
         root_entropy = entropy_nats(logits[0]) if r.tree.num_rows > 1 else request.policy.lead_entropy(request.rid)
         predicted = r.plan.expected_tokens[0] if r.plan.expected_tokens else None
         record = RoundRecord(r.tree.num_nodes, accepted, root_entropy, predicted, r.drafted,
-                             choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1].to(logits.device)],
+                             choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1].to(logits.device)]
+                             if logprobs else None,
                              sources=source_counts(r.tree, r.walk)[0])
         return r.walk.committed()[0], record
 
