@@ -499,7 +499,8 @@ class NgramSource:
 
     def context(self, rid: Hashable) -> int:
         """The acceptance context ``rid``'s next proposal is scored in: ``CONTEXT_ON_TRACK`` where its last
-        ``ON_TRACK_TOKENS`` committed tokens or more were its proposals' first choices, else ``CONTEXT_ANY``."""
+        ``ON_TRACK_TOKENS`` committed tokens or more were its proposals' first choices, else ``CONTEXT_ANY`` (and
+        always where proposals are not labelled in hindsight: none is kept to check the commits against)."""
         req = self._requests.get(rid)
         return CONTEXT_ON_TRACK if req is not None and req.streak >= ON_TRACK_TOKENS else CONTEXT_ANY
 

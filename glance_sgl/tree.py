@@ -473,10 +473,10 @@ class SourceAcceptance:
     the estimate is biased by the choice it drives. The committed continuation is the target's own (greedy: the
     same tokens whatever was verified; sampling: its samples), so hindsight labels are unbiased at every depth.
 
-    Hindsight cells also come per ``context`` (``CONTEXTS``: 0, or ``CONTEXT_ON_TRACK`` for a proposal made while
-    the request's latest tokens were the source's own predictions, ``NgramSource``'s streak): a request copying a
-    passage or replaying an answer takes nearly every node, while matches elsewhere mostly fail, and one table for
-    both would score the copy by the failures.
+    Hindsight cells also come per ``context`` (``CONTEXTS``: ``CONTEXT_ANY``, or ``CONTEXT_ON_TRACK`` for a
+    proposal made while the request's latest tokens were the source's own predictions, ``NgramSource``'s streak):
+    a request copying a passage or replaying an answer takes nearly every node, while matches elsewhere mostly
+    fail, and one table for both would score the copy by the failures.
     """
 
     def __init__(self, max_depth: int = 16, ranks: int = 2, decay: float = 0.995,
@@ -496,9 +496,9 @@ class SourceAcceptance:
         self._context_cells: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.hindsight: set[int] = set()  # sources labelled by observe_hindsight (see the class doc)
 
-    def cells(self, source: int, context: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def cells(self, source: int, context: int = CONTEXT_ANY) -> tuple[torch.Tensor, torch.Tensor]:
         """(hits, tries) of ``source`` in ``context``, each [max_depth + 1, ranks] float64 decayed counts."""
-        if context == 0:
+        if context == CONTEXT_ANY:
             return self.hits[source], self.tries[source]
         if context not in CONTEXTS:
             raise ValueError(f"acceptance context must be one of {CONTEXTS}, got {context}")
@@ -507,12 +507,12 @@ class SourceAcceptance:
             self._context_cells[key] = (torch.zeros_like(self.hits[source]), torch.zeros_like(self.tries[source]))
         return self._context_cells[key]
 
-    def probs(self, source: int, context: int = 0) -> torch.Tensor:
+    def probs(self, source: int, context: int = CONTEXT_ANY) -> torch.Tensor:
         """[max_depth + 1, ranks] float64 conditional acceptance of ``source`` in ``context`` (row 0 unused)."""
         hits, tries = self.cells(source, context)
         return (hits + self._prior_hits) / (tries + self._prior_tries)
 
-    def log_table(self, source: int, context: int = 0) -> list[list[float]]:
+    def log_table(self, source: int, context: int = CONTEXT_ANY) -> list[list[float]]:
         """``probs(source, context)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore``."""
         return self.probs(source, context).log().tolist()
 
@@ -552,7 +552,7 @@ class SourceAcceptance:
                 self._add(src, tries[src], hits[src])
         return only
 
-    def _add(self, source: int, tries: Sequence[float], hits: Sequence[float], context: int = 0) -> None:
+    def _add(self, source: int, tries: Sequence[float], hits: Sequence[float], context: int = CONTEXT_ANY) -> None:
         """One batch's counts of ``source`` in ``context`` (flat ``[depth * ranks + rank]`` host lists), after one
         decay step."""
         cell_hits, cell_tries = self.cells(source, context)
@@ -596,7 +596,7 @@ class HindsightTree:
     depths: list[int]
     ranks: list[int]
     future: list[int] = field(default_factory=list)
-    context: int = 0
+    context: int = CONTEXT_ANY
     depth: int = field(init=False)
 
     def __post_init__(self) -> None:
