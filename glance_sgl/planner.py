@@ -837,9 +837,10 @@ class Planner:
         return Plan(0, [1.0] * len(rids), drafted=False, keeps_leads=not self._leads_unread(rids))
 
     def _leads_unread(self, rids: Sequence[object]) -> bool:
-        """Whether no gate reads these requests' lead entropies after a round without the drafter: every one of
-        them has its drafting off (paused or held back; a probe then reads none)."""
-        return all(self.state(r).drafting_off for r in rids)
+        """Whether no gate reads these requests' lead entropies after a round without the drafter: the planner is
+        ``off`` (its gate reads nothing), or every one of them has its drafting off (paused or held back; a probe
+        then reads none)."""
+        return self.mode == "off" or all(self.state(r).drafting_off for r in rids)
 
     # ------------------------------------------------------------ step 2: how many nodes
     def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None

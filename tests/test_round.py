@@ -104,10 +104,13 @@ def test_a_round_no_gate_reads_computes_no_lead_entropy(engines):
     assert not r.drafted and not r.plan.keeps_leads and r.report.lead_entropies is None
     assert planner.lead_entropy("r") is None
     st.paused, st.hold = False, 0  # a request not held back, which the gate declines: its lead is kept
-    planner.mode = "off"
+    planner.margin = 1e9
     r = speculative_round(batch, planner, [source], CachePass(target, state, taps), max_depth=engine.block_size - 1)
-    assert r.plan.keeps_leads and r.report.lead_entropies is not None
+    assert not r.drafted and r.plan.keeps_leads and r.report.lead_entropies is not None
     assert planner.lead_entropy("r") == r.report.lead_entropies[0]
+    planner.mode = "off"  # a planner that never drafts reads no lead
+    r = speculative_round(batch, planner, [source], CachePass(target, state, taps), max_depth=engine.block_size - 1)
+    assert not r.plan.keeps_leads and r.report.lead_entropies is None
 
 
 class _CountingSource:
