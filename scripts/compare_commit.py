@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import json
 import math
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -30,11 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def import_commit(commit: str, name: str = "glance_base"):
     """``glance_sgl`` as of ``commit``, importable as ``name`` (absolute self-imports rewritten)."""
-    tmp = Path(tempfile.mkdtemp(prefix="glance-base-"))
-    data = subprocess.run(["git", "-C", str(REPO), "archive", commit, "glance_sgl"], check=True,
-                          capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(tmp, filter="data")
+    from glance_sgl.sglang.runner import export_package
+
+    tmp = export_package(commit, Path(tempfile.mkdtemp(prefix="glance-base-")))
     (tmp / "glance_sgl").rename(tmp / name)
     for py in (tmp / name).rglob("*.py"):
         py.write_text(py.read_text().replace("glance_sgl.", f"{name}.").replace("from glance_sgl ", f"from {name} "))

@@ -22,6 +22,12 @@ choice, on the CPU off); an engine that refuses is reported as failed, the other
 ``@overlap`` or ``@sync`` (``glance@overlap``, ``ngram@sync``) sets it for that method alone, so that both modes run
 side by side in one interleaved run.
 
+Before / after: a method name with ``#REV`` (``glance#e506600``) runs that method's engine on the ``glance_sgl``
+package of commit ``REV`` of this checkout (``runner.export_package``: ``git archive`` into a temporary folder, the
+child engine's working directory and ``PYTHONPATH``), beside this checkout's own methods in the same run: with
+``--interleave``, ``--methods none,ngram,glance,glance#REV`` measures a change through SGLang in one interleaved
+harness, chunk by chunk.
+
 ``--step-stats`` (with ``--log-dir``) logs every GLANCE step (``GLANCE_SGL_PROFILE=1``, a small cost for the GLANCE
 methods alike) and adds the mean rows verified per request and step to the table (NGRAM verifies
 ``--ngram-draft-tokens`` rows, DFLASH its block size, no speculation 1). ``--count-host-reads`` (with
@@ -61,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, wild_requests
+from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, export_package, wild_requests
 
 METHODS = ("none", "ngram", "dflash", "glance", "glance-fixed", "glance-off", "glance+ngram", "glance-ngram",
            "glance-drafter")
@@ -77,12 +83,22 @@ OVERLAP_SUFFIXES = {"overlap": "on", "sync": "off"}
 
 def method_parts(method: str) -> tuple[str, str | None]:
     """``"glance+ngram@overlap"`` -> ``("glance+ngram", "on")``: the method and its own overlap setting ("on" /
-    "off", None: the run's ``--overlap``). ValueError on an unknown method or suffix."""
-    base, at, suffix = method.partition("@")
+    "off", None: the run's ``--overlap``; a ``#REV`` tail, :func:`method_commit`, is not part of either).
+    ValueError on an unknown method or suffix."""
+    base, at, suffix = method.partition("#")[0].partition("@")
     if base not in METHODS or (at and suffix not in OVERLAP_SUFFIXES):
         raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}, optionally with "
                          f"@{' or @'.join(OVERLAP_SUFFIXES)}")
     return base, OVERLAP_SUFFIXES.get(suffix)
+
+def method_commit(method: str) -> str | None:
+    """``"glance#e506600"`` -> ``"e506600"``: the commit whose ``glance_sgl`` runs the method's engine (None: this
+    checkout's). ValueError on an empty one."""
+    _, hash_, rev = method.partition("#")
+    if hash_ and not rev.strip():
+        raise ValueError(f"method {method!r}: give a commit after '#'")
+    return rev.strip() or None
+
 
 # Why SGLang 0.5.23 cannot run DFLASH on a CPU: the first check its server arguments meet. On an in-tree platform
 # (the CPU is one) ``_handle_dflash`` accepts only devices starting with "cuda", "npu" or "xpu" and raises
@@ -315,14 +331,15 @@ def _warm_up(eng: EngineProcess, warm: Warm) -> None:
 
 
 def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[list[dict[str, Any]], int]],
-               log_dir: Path | None, env: dict[str, str] | None = None, warm: Warm = ()) -> dict[str, Any]:
+               log_dir: Path | None, env: dict[str, str] | None = None, warm: Warm = (),
+               code_root: Path | None = None) -> dict[str, Any]:
     """Every scenario (name -> (requests, requests in flight)) on one fresh engine, after ``warm``
     (:func:`warm_up_requests`); ``demo c=1`` (if present) also gives decode tokens/s. An engine that fails gives a
     row with ``error`` (and what it measured before)."""
     log = (log_dir / f"{method}.log") if log_dir else None
     out: dict[str, Any] = {"method": method, "scenarios": {}}
     try:
-        with EngineProcess(kwargs, env=env, log_path=log) as eng:
+        with EngineProcess(kwargs, env=env, log_path=log, code_root=code_root) as eng:
             out["startup_s"] = eng.startup_s
             _warm_up(eng, warm)
             for name, (reqs, c) in scenarios.items():
@@ -336,12 +353,12 @@ def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[l
 
 
 def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs: dict[str, dict[str, str]],
-                    scenarios: dict[str, tuple[list[dict[str, Any]], int]], log_dir: Path | None, warm: Warm = ()
-                    ) -> list[dict[str, Any]]:
+                    scenarios: dict[str, tuple[list[dict[str, Any]], int]], log_dir: Path | None, warm: Warm = (),
+                    code_roots: dict[str, Path] | None = None) -> list[dict[str, Any]]:
     """Every method's fresh engine alive at once; each scenario's requests in chunks (2 x in flight, at least
     4), every chunk run by every method in an order that rotates from chunk to chunk, so that a busy spell on a
     shared machine hits all methods alike. An engine that fails to start (or dies) gives a row with ``error``;
-    the others go on."""
+    the others go on. ``code_roots``: per method, another commit's package to run (``EngineProcess``)."""
     rows = {m: {"method": m, "scenarios": {}} for m in methods}
     engines: dict[str, EngineProcess] = {}
 
@@ -357,7 +374,8 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
         for m in methods:
             try:
                 engines[m] = EngineProcess(kwargs[m], env=envs[m], wait=False,
-                                           log_path=(log_dir / f"{m}.log") if log_dir else None)
+                                           log_path=(log_dir / f"{m}.log") if log_dir else None,
+                                           code_root=(code_roots or {}).get(m))
             except Exception as exc:
                 fail(m, exc)
         for m in list(engines):
@@ -489,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32, help="demo evaluation prompts (round-robin over tasks)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--methods", default="none,ngram,glance,glance-drafter,glance-ngram",
-                   help=f"comma-separated subset of {','.join(METHODS)}, each optionally with @overlap or @sync")
+                   help=f"comma-separated subset of {','.join(METHODS)}, each optionally with @overlap or @sync, "
+                        "and #REV: that method at commit REV of this checkout (before / after in one run)")
     p.add_argument("--concurrency", default="1,4,16", help="demo requests in flight, comma-separated")
     p.add_argument("--wild", type=int, default=16, help="wild requests (noise / photo-like images; 0: none)")
     p.add_argument("--wild-concurrency", default="1,8", help="wild requests in flight, comma-separated")
@@ -516,8 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:
         try:
             method_parts(m)
+            method_commit(m)
         except ValueError as exc:
             p.error(str(exc))
+    if len(set(methods)) != len(methods):
+        p.error("--methods: a method is named twice")
     if args.prompts < 1 or args.max_tokens < 1 or args.wild < 0:
         p.error("--prompts and --max-tokens must be >= 1, --wild >= 0")
     for path, what in ((args.model, "--model"), (args.drafter, "--drafter")):
@@ -546,6 +568,14 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {m: engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
                                args.glance_draft_tokens, not args.disable_cuda_graph, args.overlap) for m in methods}
     envs = {m: engine_env(m, stats, args.count_host_reads, args.overlap) for m in methods}
+    code_roots: dict[str, Path] = {}
+    exported: dict[str, Path] = {}
+    for m in methods:
+        if (rev := method_commit(m)) is not None:
+            try:
+                code_roots[m] = exported[rev] if rev in exported else exported.setdefault(rev, export_package(rev))
+            except ValueError as exc:
+                p.error(str(exc))
     unavailable = {m: why for m in methods if (why := method_unavailable(m, args.device))}
     for m, why in unavailable.items():
         print(f"[bench] {m} FAILED: {why}", file=sys.stderr, flush=True)
@@ -560,13 +590,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.interleave and runnable:
         print(f"[bench] {', '.join(runnable)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
               flush=True)
-        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir, warm):
+        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir, warm, code_roots):
             _log_stats(args, r, stats)
             done[r["method"]] = r
     else:
         for m in runnable:
             print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
-            r = done[m] = run_method(m, kwargs[m], scenarios, args.log_dir, env=envs[m], warm=warm)
+            r = done[m] = run_method(m, kwargs[m], scenarios, args.log_dir, env=envs[m], warm=warm,
+                                     code_root=code_roots.get(m))
             _log_stats(args, r, stats)
             write(ordered())
     rows = ordered()

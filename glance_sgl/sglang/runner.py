@@ -210,11 +210,37 @@ def _info(llm) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- parent side
+def export_package(commit: str, dest: Path | None = None) -> Path:
+    """The ``glance_sgl`` package as of ``commit`` of this checkout's git repository, exported (``git archive``)
+    into ``dest`` (default: a new temporary folder), which is returned: ``dest / "glance_sgl"`` is that commit's
+    package, for :class:`EngineProcess`'s ``code_root`` (an engine of an earlier commit beside this one's) or an
+    import under another name (``scripts/compare_commit.py``). ValueError where this is no git checkout or the
+    commit is unknown."""
+    import tarfile
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[2]
+    dest = Path(tempfile.mkdtemp(prefix=f"glance-{commit[:12]}-")) if dest is None else dest
+    try:
+        data = subprocess.run(["git", "-C", str(repo), "archive", commit, "glance_sgl"], check=True,
+                              capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        raise ValueError(f"cannot export glance_sgl at {commit!r} from {repo}: "
+                         f"{detail.decode(errors='replace').strip() or exc}") from exc
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
 class EngineProcess:
-    """An ``sglang.Engine`` in a child process (``python -m glance_sgl.sglang.runner``)."""
+    """An ``sglang.Engine`` in a child process (``python -m glance_sgl.sglang.runner``). ``code_root``: a folder
+    holding another ``glance_sgl`` (:func:`export_package`), which the child runs instead of this one (its working
+    directory and the head of its ``PYTHONPATH``, ahead of the installed package; SGLang's plugin entry point
+    imports it from there too)."""
 
     def __init__(self, engine_kwargs: dict[str, Any], env: dict[str, str] | None = None, log_path=None,
-                 timeout: float = 300.0, wait: bool = True) -> None:
+                 timeout: float = 300.0, wait: bool = True, code_root: Path | None = None) -> None:
         self.engine_kwargs, self.timeout = engine_kwargs, timeout
         child_env = dict(os.environ)
         child_env.setdefault("HF_HUB_OFFLINE", "1")
@@ -223,12 +249,19 @@ class EngineProcess:
         if engine_kwargs.get("device") == "cpu":
             child_env.setdefault("OMP_NUM_THREADS", "1")  # see launch.launch_sglang
         child_env.update(env or {})
+        if code_root is not None:
+            if not (Path(code_root) / "glance_sgl" / "__init__.py").is_file():
+                raise ValueError(f"code_root {code_root}: no glance_sgl package there")
+            child_env["PYTHONPATH"] = os.pathsep.join(
+                [str(code_root)] + [x for x in child_env.get("PYTHONPATH", "").split(os.pathsep) if x])
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        # the working directory leads sys.path under ``python -m``: a code root's package must not be shadowed by
+        # a checkout the parent runs in
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "glance_sgl.sglang.runner", json.dumps(engine_kwargs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=child_env,
-            start_new_session=True)
+            start_new_session=True, cwd=None if code_root is None else str(code_root))
         self.startup_s = None
         if wait:
             self.wait_ready()

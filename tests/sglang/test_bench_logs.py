@@ -123,3 +123,29 @@ def test_warm_up_never_runs_a_measured_request():
     measured = {(r["text"], r["image"]) for r in demo + wild}
     assert not any((r["text"], r["image"]) in measured for reqs, _ in warm for r in reqs)
     assert {r["text"] for r in warm[1][0]} <= {r["text"] for r in demo_requests(MODEL, 14, 8)[0][6:]}
+
+
+def test_a_method_may_run_at_an_earlier_commit(tmp_path, capsys):
+    """``glance#REV``: the method's engine runs the package of commit REV (before / after in one interleaved run);
+    the export is that commit's tree, and a bad commit or folder is refused before any engine starts."""
+    import subprocess
+
+    from glance_sgl.sglang.runner import EngineProcess, export_package
+
+    assert bench.method_commit("glance@overlap#e506600") == "e506600"
+    assert bench.method_parts("glance@overlap#e506600") == ("glance", "on")
+    assert bench.method_commit("ngram") is None
+    with pytest.raises(ValueError, match="commit"):
+        bench.method_commit("glance#")
+    root = export_package("HEAD", tmp_path / "head")
+    shown = subprocess.run(["git", "show", "HEAD:glance_sgl/sglang/bench.py"], capture_output=True, text=True,
+                           check=True, cwd=Path(bench.__file__).resolve().parents[2]).stdout
+    assert (root / "glance_sgl" / "sglang" / "bench.py").read_text() == shown
+    with pytest.raises(ValueError, match="no-such-commit"):
+        export_package("no-such-commit", tmp_path / "bad")
+    with pytest.raises(ValueError, match="no glance_sgl"):
+        EngineProcess({"device": "cpu"}, code_root=tmp_path / "bad")
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--methods", "none,glance#no-such-commit", "--prompts", "1", "--wild", "0",
+                    "--concurrency", "1"])
+    assert exit_.value.code == 2 and "no-such-commit" in capsys.readouterr().err
