@@ -365,11 +365,14 @@ class DepthCalibration:
         logf[0] = 0.0
         return torch.cumsum(logf, 0).float()
 
-    def node_probs(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+    def node_probs(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
+                   drafter_nodes: bool = True) -> torch.Tensor:
         """Calibrated acceptance probability of every row, [B, R] (1 at the root), capped at 1. ``sources``: the
         rows' source tags (``glance_sgl.tree``); only the drafter's own nodes are calibrated here (another source's
-        scores are its calibrated estimates already); None: every node is the drafter's."""
+        scores are its calibrated estimates already); None: every node is the drafter's. ``drafter_nodes`` False:
+        none is (candidates of sources without a model pass), and the scores are the probabilities' logs."""
+        if not drafter_nodes:
+            return torch.exp(scores.float()).clamp(max=1.0)
         c = self.log_cumulative().to(scores.device)[depths.clamp(max=self.max_depth)]
         if sources is not None:
             c = torch.where(sources.to(c.device) == SOURCE_DRAFTER, c, 0.0)
@@ -843,11 +846,12 @@ class Planner:
         return self.mode == "off" or all(self.state(r).drafting_off for r in rids)
 
     # ------------------------------------------------------------ step 2: how many nodes
-    def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+    def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
+                        drafter_nodes: bool = True) -> torch.Tensor:
         """[B, R] expected accepted drafts of budget n = 0 .. R-1 per request, by the calibrated node
-        probabilities, from the best-first tree's node scores / depths / source tags [B, R] (row 0 the root)."""
-        probs = self.depth.node_probs(scores, depths, sources)
+        probabilities, from the best-first tree's node scores / depths / source tags [B, R] (row 0 the root;
+        ``drafter_nodes``: :meth:`DepthCalibration.node_probs`)."""
+        probs = self.depth.node_probs(scores, depths, sources, drafter_nodes)
         probs[:, 0] = 0.0
         return torch.cumsum(probs, dim=1)
 
@@ -862,10 +866,13 @@ class Planner:
             return Plan(0, [1.0] * bs, drafted=drafter_ran, raw_accept=[0.0] * bs)
         limit = min(rows - 1, self.max_nodes)
         sources = None if sources is None else sources[:, : limit + 1]
-        raw = self.expected_accept(scores[:, : limit + 1], depths[:, : limit + 1], sources)
-        ratio = torch.tensor([self.state(r).tree_ratio if drafter_ran else 1.0 for r in rids], dtype=raw.dtype,
-                             device=raw.device)
-        curve = 1.0 + raw * ratio[:, None]
+        # without the drafter's pass the candidates hold none of its nodes: nothing to calibrate, no tree ratio
+        raw = self.expected_accept(scores[:, : limit + 1], depths[:, : limit + 1], sources, drafter_nodes=drafter_ran)
+        if drafter_ran:
+            ratio = torch.tensor([self.state(r).tree_ratio for r in rids], dtype=raw.dtype, device=raw.device)
+            curve = 1.0 + raw * ratio[:, None]
+        else:
+            curve = 1.0 + raw
         # one host read: every request's expected tokens and raw acceptance at every budget [2, bs, limit + 1]
         curve_host, raw_host = torch.stack([curve, raw.to(curve.dtype)]).tolist()
         per_n = [sum(col) for col in zip(*curve_host)]  # [limit + 1]: the batch's expected tokens for budget n
@@ -901,8 +908,8 @@ class Planner:
         if report.drafted:
             self._observe_accepts(report, leads, only)
         # kept only where the next gate may read it (not while every request of a batch that did not draft is
-        # paused or held back: such a round computes none, ``Plan.keeps_leads``)
-        if not report.drafted and self._leads_unread(report.rids):
+        # paused or held back: such a round computes none, ``Plan.keeps_leads``, nor does one without a drafter)
+        if not report.drafted and (report.lead_entropies is None or self._leads_unread(report.rids)):
             self.leads.update((r, None) for r in report.rids)
         elif report.lead_entropies is not None:
             self.leads.update(zip(report.rids, report.lead_entropies))

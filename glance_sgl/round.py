@@ -269,7 +269,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     else:
         t1 = time.perf_counter()
         skipped = planner.skip(batch.rids)  # the drafter's record: a round without it
-        keeps_leads = skipped.keeps_leads
+        keeps_leads = skipped.keeps_leads and bool(drafters)  # without a drafter no gate reads a lead
         candidates, plan = ((None, skipped) if alternative is None else
                             (fallback, dataclasses.replace(alternative, keeps_leads=keeps_leads)))
     # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs (the root alone: an AR step)

@@ -631,3 +631,20 @@ def test_merged_rounds_calibrate_the_drafter_on_its_own_nodes_only():
     pred, hits = planner.depth.predicted - before[0] * planner.depth.decay, planner.depth.hits - before[1] * planner.depth.decay
     assert hits[1] == pytest.approx(1.0) and hits[2] == pytest.approx(1.0)
     assert pred[1] == pytest.approx(0.5) and pred[2] == pytest.approx(0.5)
+
+
+def test_candidates_without_the_drafter_read_their_scores_as_they_are():
+    """Without the drafter's pass no node is the drafter's: the calibrated probabilities are the scores' exps
+    (the shortcut ``drafter_nodes=False`` equals the general path with the nodes' tags), whatever the drafter's
+    per-depth calibration says."""
+    from glance_sgl.tree import SOURCE_NGRAM, SOURCE_NONE
+
+    depth = DepthCalibration(7, decay=1.0)
+    depth.hits[1:] *= 0.3  # a calibration far from 1: it must not touch another source's nodes
+    scores = torch.tensor([[0.0, -0.1, -0.7, -2.0, 0.3]])
+    depths = torch.tensor([[0, 1, 1, 2, 3]])
+    tags = torch.tensor([[SOURCE_NONE] + [SOURCE_NGRAM] * 4])
+    fast = depth.node_probs(scores, depths, tags, drafter_nodes=False)
+    assert torch.allclose(fast, depth.node_probs(scores, depths, tags))
+    assert torch.allclose(fast, scores.exp().clamp(max=1.0))
+    assert not torch.allclose(fast, depth.node_probs(scores, depths))  # as the drafter's nodes they would differ
