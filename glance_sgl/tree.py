@@ -495,6 +495,10 @@ class SourceAcceptance:
         # the cells of contexts other than 0 (hindsight sources), (source, context) -> (hits, tries), made on first use
         self._context_cells: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.hindsight: set[int] = set()  # sources labelled by observe_hindsight (see the class doc)
+        # log_table's host lists, read at every lookup and changed only by a labelled batch: (source, context) ->
+        # (the version of the counts it was made from, the table); the counts change only through _add
+        self._version = 0
+        self._log_tables: dict[tuple[int, int], tuple[int, list[list[float]]]] = {}
 
     def cells(self, source: int, context: int = CONTEXT_ANY) -> tuple[torch.Tensor, torch.Tensor]:
         """(hits, tries) of ``source`` in ``context``, each [max_depth + 1, ranks] float64 decayed counts."""
@@ -513,8 +517,12 @@ class SourceAcceptance:
         return (hits + self._prior_hits) / (tries + self._prior_tries)
 
     def log_table(self, source: int, context: int = CONTEXT_ANY) -> list[list[float]]:
-        """``probs(source, context)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore``."""
-        return self.probs(source, context).log().tolist()
+        """``probs(source, context)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore`` (made
+        again only after the counts changed; read-only)."""
+        cached = self._log_tables.get((source, context))
+        if cached is None or cached[0] != self._version:
+            cached = self._log_tables[(source, context)] = (self._version, self.probs(source, context).log().tolist())
+        return cached[1]
 
     def observe(self, tree: DraftTree, accepted_rows: torch.Tensor) -> dict[int, list[int]]:
         """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding).
@@ -558,6 +566,7 @@ class SourceAcceptance:
         cell_hits, cell_tries = self.cells(source, context)
         cell_tries.mul_(self.decay).view(-1).add_(torch.tensor(tries, dtype=torch.float64))
         cell_hits.mul_(self.decay).view(-1).add_(torch.tensor(hits, dtype=torch.float64))
+        self._version += 1
 
     def observe_hindsight(self, source: int, trees: Sequence["HindsightTree"]) -> None:
         """One round's matured proposals of ``source`` (each a :class:`HindsightTree` with the tokens committed

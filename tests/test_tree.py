@@ -531,3 +531,15 @@ def test_foreseen_follows_the_first_choices():
     assert tree.foreseen([1, 2, 3, 8]) == (3, True)  # past the leaf: nothing contradicted
     assert tree.foreseen([1, 5]) == (1, False)
     assert tree.foreseen([4]) == (0, False)  # in the tree, but not its first choice
+
+
+def test_the_log_table_follows_every_labelled_batch():
+    """The host table a lookup scores with is made once per change of the counts, and a labelled batch changes it."""
+    acc = SourceAcceptance(max_depth=2, ranks=1, decay=1.0)
+    first = acc.log_table(SOURCE_NGRAM)
+    assert acc.log_table(SOURCE_NGRAM) is first  # no change: the same lists
+    acc.observe_hindsight(SOURCE_NGRAM, [HindsightTree([9, 1], [-1, 0], [0, 1], [-1, 0], future=[1])])
+    after = acc.log_table(SOURCE_NGRAM)
+    assert after[1][0] > first[1][0]
+    assert after == acc.probs(SOURCE_NGRAM).log().tolist()
+    assert acc.log_table(SOURCE_NGRAM, CONTEXT_ON_TRACK) == acc.probs(SOURCE_NGRAM, CONTEXT_ON_TRACK).log().tolist()
