@@ -574,7 +574,8 @@ class RoundReport:
     where the engine rounds up to a captured width); ``accepted``: accepted drafted nodes per request (bonus
     excluded); ``tree`` / ``walk``: the verified ``DraftTree`` and its ``WalkResult`` (the per-depth calibration;
     None skips it); ``lead_entropies``: [bs] the entropy (nats) of the target's distribution at the row that
-    produced each request's bonus token (the next lead entropies; None keeps the current ones); ``drafter_ms`` /
+    produced each request's bonus token (the next lead entropies; None: not computed, where no gate would read
+    them, ``Plan.keeps_leads``: after a round without the drafter the planner then holds none); ``drafter_ms`` /
     ``pass_ms`` / ``host_ms``: the candidate sources' time, the target pass's, and the round's other host work
     (choice, walk, KV keep, feeding the sources), wall ms; None where not measured (the cost model is left as it
     is). ``alternative`` / ``alone``: in a drafting round that merged other sources' candidates, the round without
