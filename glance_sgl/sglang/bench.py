@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -609,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                 s["identical"] = [sum(x == y for x, y in zip(s["outputs"], b["outputs"])), len(s["outputs"])]
     print(format_table(rows))
     write(rows)
+    for folder in exported.values():  # the earlier commits' exported packages (their engines have ended)
+        shutil.rmtree(folder, ignore_errors=True)
     return 1 if any(r.get("error") for r in rows) else 0
 
 
