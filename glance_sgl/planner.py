@@ -489,7 +489,9 @@ class RequestPlanState:
     a probe pays; ``ar_streak``: consecutive rounds without drafting; ``probe_interval``: rounds without drafting
     before the next probe; ``drafted_rounds``: rounds that ran the drafter (a request's first one is a probe:
     nothing is known about it yet); ``hold``: AR rounds before the first drafting round (set at the request's
-    start from how recent requests' first rounds went).
+    start from how recent requests' first rounds went); ``yielded``: paused because the round of the sources without
+    a model pass (n-gram matches) did better, while its drafting pays over an AR step (its rounds without matches
+    still weigh drafting, :meth:`off_for`).
     """
 
     recent_accepted: float = 0.0
@@ -503,6 +505,7 @@ class RequestPlanState:
     drafted_rounds: int = 0
     hold: int = 0
     explorer: bool = False  # one of the new requests that probe at once however rarely first rounds pay
+    yielded: bool = False
     # the sources without a model pass (``Planner.cheap_rows``): the share of a drafting round's committed tokens
     # that only they proposed, summed over the drafting rounds that looked them up, and those rounds (both decayed
     # by NGRAM_TREND per such round); whether this round looked; rounds skipped in a row
@@ -535,6 +538,12 @@ class RequestPlanState:
     def drafting_off(self) -> bool:
         """Paused, or a new request still held back from drafting: only a probe drafts for it."""
         return self.paused or (self.drafted_rounds == 0 and self.ar_streak < self.hold)
+
+    def off_for(self, matched: bool) -> bool:
+        """Whether drafting is off for this request in a round whose matches expect drafts (``matched``) or none:
+        :attr:`drafting_off`, except that a request that yielded to the matches weighs drafting where they expect
+        none (a template opening found by the matches does not stop the drafter for the rest of the answer)."""
+        return self.drafting_off and not (self.yielded and not matched)
 
     @property
     def tree_ratio(self) -> float:
@@ -796,9 +805,14 @@ class Planner:
             if worth and (2 * len(worth) >= len(states)
                           or any(states[b].exploring and self.rival_bin(other[b]) == 0 for b in worth)):
                 return True
-        if all(st.drafting_off for st in states):
+        if all(st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, len(states)))):
             return False
         return self._pays(rids, leads, states, alternative)
+
+    @staticmethod
+    def _rivals(alternative: "Plan | None", bs: int) -> list[float]:
+        """Tokens per request the round without the drafter expects (``alternative``; none: an AR step, 1 each)."""
+        return list(alternative.expected_tokens) if alternative is not None and alternative.nodes > 0 else [1.0] * bs
 
     def _stakes(self, states: Sequence[RequestPlanState], alternative: "Plan | None" = None
                 ) -> tuple[list[float], float, float]:
@@ -829,22 +843,25 @@ class Planner:
                        for r, h, o in zip(rids, lead_entropies, other))
         return expected / round_ms > self.margin * rate
 
-    def skip(self, rids: Sequence[object]) -> Plan:
-        """Record a round without drafting (an AR step for every request of the batch). A request that was
-        drafting is paused: it drafts again when a probe pays."""
-        for r in rids:
+    def skip(self, rids: Sequence[object], alternative: "Plan | None" = None) -> Plan:
+        """Record a round without drafting (an AR step, or the round of ``alternative``, for every request of the
+        batch). A request that was drafting is paused: it drafts again when a probe pays, or, where it gave way to
+        matches that expected drafts (``RequestPlanState.yielded``), when the gate finds drafting pays in a round
+        without them."""
+        for r, o in zip(rids, self._rivals(alternative, len(rids))):
             st = self.state(r)
             st.ar_streak += 1
             st.decay()
             if st.drafted_rounds and not st.paused:
                 st.paused, st.probe_interval = True, MIN_PROBE_INTERVAL
+                st.yielded = self.rival_bin(o) > 0
         return Plan(0, [1.0] * len(rids), drafted=False, keeps_leads=not self._leads_unread(rids))
 
     def _leads_unread(self, rids: Sequence[object]) -> bool:
         """Whether no gate reads these requests' lead entropies after a round without the drafter: the planner is
         ``off`` (its gate reads nothing), or every one of them has its drafting off (paused or held back; a probe
-        then reads none)."""
-        return self.mode == "off" or all(self.state(r).drafting_off for r in rids)
+        then reads none), none of them for matches only (``RequestPlanState.yielded``)."""
+        return self.mode == "off" or all(self.state(r).drafting_off and not self.state(r).yielded for r in rids)
 
     # ------------------------------------------------------------ step 2: how many nodes
     def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
@@ -986,14 +1003,18 @@ class Planner:
             # was learned on other traffic, and a round that accepted little is this request's evidence against it
             if rival is None:
                 paid = (1.0 + a) / round_ms > self.margin / rival_ms
+                paid_ar = paid
             else:
                 paid = (o + self.predicted_accept(r, h, prior_cap=a, rival_tokens=o)) / round_ms > \
                     self.margin * o / rival_ms
+                # ... and over an AR step, on the drafts that were not the matches' alone: the drafter serves this
+                # request where the matches are missing (it yields to them where they are found)
+                paid_ar = paid or (1.0 + a - float(extra)) / round_ms > self.margin / self.costs.ar_ms(bs)
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
-                self.starts_paid = START_DECAY * self.starts_paid + float(paid)
+                self.starts_paid = START_DECAY * self.starts_paid + float(paid_ar)
             if st.drafted_rounds == 0 or st.paused:
-                self._probed(st, paid)
+                self._probed(st, paid, yielded=paid_ar and not paid)
             st.drafted_rounds += 1
             st.ar_streak = 0
 
@@ -1001,13 +1022,15 @@ class Planner:
         """The decayed share of probes (first rounds included) that paid, over all requests."""
         return self.probes_paid / self.probes
 
-    def _probed(self, st: RequestPlanState, paid: bool) -> None:
+    def _probed(self, st: RequestPlanState, paid: bool, yielded: bool = False) -> None:
         """A probe's outcome: back to drafting, or a longer wait for the next probe. Where probes rarely pay
-        (traffic the drafter does not know) the wait grows faster, so probes do not eat what AR rounds save."""
+        (traffic the drafter does not know) the wait grows faster, so probes do not eat what AR rounds save.
+        ``yielded``: it did not pay over the matches' round but would have over an AR step: paused for the
+        matches, drafting where they are missing (``RequestPlanState.yielded``), no longer wait."""
         self.probes = PROBE_DECAY * self.probes + 1.0
-        self.probes_paid = PROBE_DECAY * self.probes_paid + float(paid)
-        st.paused = not paid
-        if paid:
+        self.probes_paid = PROBE_DECAY * self.probes_paid + float(paid or yielded)
+        st.paused, st.yielded = not paid, yielded
+        if paid or yielded:
             st.probe_interval = MIN_PROBE_INTERVAL
         elif self.starts_paid / self.starts < START_RARE:
             st.probe_interval = MAX_PROBE_INTERVAL  # the drafter knows almost nothing of today's traffic
@@ -1029,7 +1052,7 @@ class AlwaysDraft:
     def gate(self, rids: Sequence[object], alternative: Plan | None = None) -> bool:
         return True
 
-    def skip(self, rids: Sequence[object]) -> Plan:
+    def skip(self, rids: Sequence[object], alternative: Plan | None = None) -> Plan:
         return Plan(0, [1.0] * len(rids), drafted=False)
 
     def cheap_rows(self, rids: Sequence[object], rows: int) -> list[int]:

@@ -128,7 +128,7 @@ class RoundPolicy(Protocol):
 
     def gate(self, rids: Sequence[Hashable], alternative: Plan | None = None) -> bool: ...
 
-    def skip(self, rids: Sequence[Hashable]) -> Plan: ...
+    def skip(self, rids: Sequence[Hashable], alternative: Plan | None = None) -> Plan: ...
 
     def cheap_rows(self, rids: Sequence[Hashable], rows: int) -> list[int]: ...
 
@@ -268,7 +268,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         plan = planner.choose(batch.rids, candidates.scores, candidates.depths, candidates.sources, True)
     else:
         t1 = time.perf_counter()
-        skipped = planner.skip(batch.rids)  # the drafter's record: a round without it
+        skipped = planner.skip(batch.rids, alternative)  # the drafter's record: a round without it
         keeps_leads = skipped.keeps_leads and bool(drafters)  # without a drafter no gate reads a lead
         candidates, plan = ((None, skipped) if alternative is None else
                             (fallback, dataclasses.replace(alternative, keeps_leads=keeps_leads)))

@@ -648,3 +648,35 @@ def test_candidates_without_the_drafter_read_their_scores_as_they_are():
     assert torch.allclose(fast, depth.node_probs(scores, depths, tags))
     assert torch.allclose(fast, scores.exp().clamp(max=1.0))
     assert not torch.allclose(fast, depth.node_probs(scores, depths))  # as the drafter's nodes they would differ
+
+
+def test_a_request_that_yields_to_the_matches_drafts_again_where_they_are_missing():
+    """A drafting round that does not beat the matches' round (a template opening both found) but beats an AR step
+    pauses the request for rounds whose matches expect drafts only: where the matches find nothing, the gate weighs
+    drafting again, with no probe back-off. A request whose probe beats neither waits for its next probe, and a
+    request that stops drafting in a round without matches does not yield."""
+    from glance_sgl.planner import Plan
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+    matched = Plan(4, [4.0], drafted=False)
+    _merged_round(planner, "opening", ngram_only=0, accepted=4, alone=3)  # the drafter added one draft
+    st = planner.state("opening")
+    assert st.paused and st.yielded and st.probe_interval == MIN_PROBE_INTERVAL
+    assert not planner.gate(["opening"], matched)  # the matches' round stays the better one ...
+    assert planner.gate(["opening"], None)  # ... and where there is none the drafter runs
+    assert not planner._leads_unread(["opening"])  # so its lead entropy is kept for that gate
+
+    planner.begin("unknown", 0.01)
+    planner.report(RoundReport(["unknown"], Plan(15, [8.0], drafted=True, raw_accept=[7.0]), 16, [0], None, None,
+                               [0.01]))
+    st = planner.state("unknown")
+    assert st.paused and not st.yielded and st.probe_interval > MIN_PROBE_INTERVAL
+    assert not planner.gate(["unknown"], None)
+
+    for rid, alternative, yields in (("covered", Plan(7, [6.0], drafted=False), True), ("bare", None, False)):
+        planner.begin(rid, 0.01)
+        planner.report(RoundReport([rid], Plan(15, [11.0], drafted=True, raw_accept=[10.0]), 16, [10], None, None,
+                                   [0.01]))
+        assert not planner.state(rid).paused
+        planner.skip([rid], alternative)
+        assert planner.state(rid).paused and planner.state(rid).yielded == yields
