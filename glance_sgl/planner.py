@@ -80,6 +80,11 @@ NGRAM_RECHECK = 8
 NGRAM_TREND = 0.7
 NGRAM_PRIOR = 1.0  # weight, in looks, of what lookups added over all requests (a request's prior)
 NGRAM_ALL_TREND = 0.98  # weight of the past in that over-all record (per drafting round that looked)
+# A request's first drafting round looks where the lookups of recent requests' first drafting rounds paid (a record
+# of its own, weight of the past FIRST_TREND per such round: ~2.5 requests, as the traffic changes), and every
+# FIRST_RECHECK-th new request looks all the same, so the record notices traffic whose matches pay again
+FIRST_TREND = 0.6
+FIRST_RECHECK = 4
 # ... and it keeps looking where the matches' round alone would come within 1 / RIVAL_SLACK of the drafting
 # round's tokens per ms (verifying RIVAL_ROWS rows): there the lookup is what lets the gate drop the drafter pass
 RIVAL_SLACK = 1.25
@@ -506,13 +511,9 @@ class RequestPlanState:
     hold: int = 0
     explorer: bool = False  # one of the new requests that probe at once however rarely first rounds pay
     yielded: bool = False
-    # the sources without a model pass (``Planner.cheap_rows``): the share of a drafting round's committed tokens
-    # that only they proposed, summed over the drafting rounds that looked them up, and those rounds (both decayed
-    # by NGRAM_TREND per such round); whether this round looked; rounds skipped in a row
-    cheap_share: float = 0.0
-    cheap_alone: float = 0.0  # ... what the matches' round alone would have accepted (``RoundReport.alone``)
-    cheap_tokens: float = 0.0  # ... and the tokens those rounds committed
-    cheap_looks: float = 0.0
+    # the sources without a model pass (``Planner.cheap_rows``): what its lookups added to its drafting rounds
+    # (decayed by NGRAM_TREND per such round); whether this round looked; rounds skipped in a row
+    lookups: "LookupRecord" = field(default_factory=lambda: LookupRecord())
     looked: bool = True
     cheap_skipped: int = 0
     # rounds without the drafter that this request verified or was credited with (``RoundReport.alone``): their
@@ -557,6 +558,34 @@ class RequestPlanState:
     def decay(self) -> None:
         self.recent_accepted *= RECENT
         self.recent_rounds *= RECENT
+
+
+@dataclass
+class LookupRecord:
+    """What the lookups of the sources without a model pass (n-gram matches) gave the drafting rounds that made
+    them, as decayed sums: the share of a round's committed tokens that only they proposed, what their round alone
+    would have accepted (``RoundReport.alone``), the tokens those rounds committed, and the rounds."""
+
+    share: float = 0.0
+    alone: float = 0.0
+    tokens: float = 0.0
+    looks: float = 0.0
+
+    def add(self, share: float, alone: float, tokens: float, trend: float) -> None:
+        """One drafting round that looked (the past weighs ``trend``)."""
+        self.share = trend * self.share + share
+        self.alone = trend * self.alone + alone
+        self.tokens = trend * self.tokens + tokens
+        self.looks = trend * self.looks + 1.0
+
+    def means(self, prior: "LookupRecord | None" = None, weight: float = 0.0) -> tuple[float, float, float]:
+        """(share, alone, tokens) per round, with ``prior``'s means worth ``weight`` rounds (0, 0, 0: no round)."""
+        p = weight / prior.looks if prior is not None and prior.looks > 0 else 0.0
+        n = p * (prior.looks if prior is not None else 0.0) + self.looks
+        if n <= 0:
+            return 0.0, 0.0, 0.0
+        pr = prior or LookupRecord()
+        return ((p * pr.share + self.share) / n, (p * pr.alone + self.alone) / n, (p * pr.tokens + self.tokens) / n)
 
 
 # ---------------------------------------------------------------------------------------------------- policy
@@ -655,12 +684,11 @@ class Planner:
     starts: float = 1.0
     new_requests: int = 0
     cheap_ms: float | None = None  # measured ms per request of a lookup of the sources without a model pass
-    # ... and, over all requests, the share of drafting rounds' tokens only they proposed, and those rounds
-    cheap_share_all: float = 0.0
-    cheap_alone_all: float = 0.0
-    cheap_tokens_all: float = 0.0
-    cheap_looks_all: float = 0.0
+    # ... what they gave drafting rounds over all requests (NGRAM_ALL_TREND), and requests' first ones (FIRST_TREND)
+    lookups_all: LookupRecord = field(default_factory=LookupRecord)
+    lookups_first: LookupRecord = field(default_factory=LookupRecord)
     cheap_skips: int = 0  # lookups skipped so far, over all requests
+    first_skips: int = 0  # ... of those, in requests' first drafting rounds
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
@@ -737,18 +765,30 @@ class Planner:
         of a round's ms, against the measured ms per lookup (``cheap_ms``). It looks again after
         ``NGRAM_RECHECK`` skipped rounds, and so does every ``NGRAM_RECHECK``-th skip over all requests (so the
         record over all requests stays current where answers last a few rounds); and whenever its drafting is off
-        (the lookup is then the round's only candidates). Only the "auto" mode decides; the others always look."""
+        (the lookup is then the round's only candidates). A request that has not drafted yet is judged by what
+        the lookups of recent requests' first drafting rounds gave theirs (``lookups_first``, with the over-all
+        record as a prior worth ``NGRAM_PRIOR`` rounds), and every ``FIRST_RECHECK``-th such skip looks all the
+        same. Only the "auto" mode decides; the others always look."""
         bs = len(rids)
-        if self.mode != "auto" or self.cheap_ms is None or self.cheap_looks_all < NGRAM_PRIOR:
+        if self.mode != "auto" or self.cheap_ms is None or self.lookups_all.looks < NGRAM_PRIOR:
             return [rows] * bs
         out = []
         for r in rids:
             st = self.state(r)
-            skip = (st.drafted_rounds > 0 and not st.drafting_off and st.cheap_skipped < NGRAM_RECHECK
-                    and not self._lookup_pays(st, bs))
-            if skip:
-                self.cheap_skips += 1
-                skip = self.cheap_skips % NGRAM_RECHECK != 0
+            if st.drafting_off:
+                skip = False
+            elif st.drafted_rounds == 0:
+                skip = self.lookups_first.looks > 0 and not self._lookup_pays(
+                    self.lookups_first.means(self.lookups_all, NGRAM_PRIOR), st, bs)
+                if skip:
+                    self.first_skips += 1
+                    skip = self.first_skips % FIRST_RECHECK != 0
+            else:
+                skip = st.cheap_skipped < NGRAM_RECHECK and not self._lookup_pays(
+                    st.lookups.means(self.lookups_all, NGRAM_PRIOR), st, bs)
+                if skip:
+                    self.cheap_skips += 1
+                    skip = self.cheap_skips % NGRAM_RECHECK != 0
             st.looked = not skip
             st.cheap_skipped = st.cheap_skipped + 1 if skip else 0
             out.append(1 if skip else rows)
@@ -760,13 +800,10 @@ class Planner:
         drafts or more. Weaker matches still stand as the round the drafter has to beat."""
         return [t - 1.0 >= MERGE_MIN_DRAFTS for t in alternative.expected_tokens]
 
-    def _lookup_pays(self, st: RequestPlanState, bs: int) -> bool:
-        """Whether a drafting request's lookup is worth its ms (:meth:`cheap_rows`)."""
-        # each mean: the request's own sums with the over-all mean worth NGRAM_PRIOR looks
-        prior, looks = NGRAM_PRIOR / self.cheap_looks_all, NGRAM_PRIOR + st.cheap_looks
-        share = (prior * self.cheap_share_all + st.cheap_share) / looks
-        alone = (prior * self.cheap_alone_all + st.cheap_alone) / looks
-        tokens = (prior * self.cheap_tokens_all + st.cheap_tokens) / looks
+    def _lookup_pays(self, record: tuple[float, float, float], st: RequestPlanState, bs: int) -> bool:
+        """Whether a drafting request's lookup is worth its ms (:meth:`cheap_rows`), by ``record``: the mean
+        share, alone and tokens per round of :meth:`LookupRecord.means`."""
+        share, alone, tokens = record
         nodes = self.fixed_nodes if st.last_nodes < 0 else st.last_nodes
         round_ms = self.costs.round_ms(nodes, bs) / bs
         cheap_ms = self.cheap_ms or 0.0
@@ -978,14 +1015,10 @@ class Planner:
             a, s = float(a), float(s)
             if st.looked and only is not None and plan.nodes > 0:  # what its lookup added to this round
                 share = float(extra) / (1.0 + a)
-                st.cheap_share = NGRAM_TREND * st.cheap_share + share
-                st.cheap_alone = NGRAM_TREND * st.cheap_alone + s
-                st.cheap_tokens = NGRAM_TREND * st.cheap_tokens + 1.0 + a
-                st.cheap_looks = NGRAM_TREND * st.cheap_looks + 1.0
-                self.cheap_share_all = NGRAM_ALL_TREND * self.cheap_share_all + share
-                self.cheap_alone_all = NGRAM_ALL_TREND * self.cheap_alone_all + s
-                self.cheap_tokens_all = NGRAM_ALL_TREND * self.cheap_tokens_all + 1.0 + a
-                self.cheap_looks_all = NGRAM_ALL_TREND * self.cheap_looks_all + 1.0
+                st.lookups.add(share, s, 1.0 + a, NGRAM_TREND)
+                self.lookups_all.add(share, s, 1.0 + a, NGRAM_ALL_TREND)
+                if st.drafted_rounds == 0:
+                    self.lookups_first.add(share, s, 1.0 + a, FIRST_TREND)
             gain = max(a - s, 0.0)  # what the drafter added over the rival round's own acceptance
             if plan.nodes > 0 and h is not None:
                 self.gain_table(o).observe(h, gain)

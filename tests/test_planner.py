@@ -550,7 +550,7 @@ def test_lookups_are_skipped_for_drafting_requests_they_add_nothing_to():
     st.paused = True  # drafting off: the lookup is the round
     assert planner.cheap_rows(["served"], 16) == [16]
     fixed = Planner(linear_costs(), max_nodes=15, max_depth=15, mode="fixed")
-    fixed.cheap_ms, fixed.cheap_looks_all = 0.5, 5.0
+    fixed.cheap_ms, fixed.lookups_all.looks = 0.5, 5.0
     assert fixed.cheap_rows(["x", "y"], 8) == [8, 8]
 
 
