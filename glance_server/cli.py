@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from .config import MiB, RestartPolicy, ServerConfig, parse_api_keys
@@ -41,10 +42,23 @@ def resolve_checkpoints(args: argparse.Namespace) -> tuple[Path, Path | None]:
     return model, drafter
 
 
+def default_draft_sources() -> tuple[str, ...]:
+    """What the embedded engine drafts from unless ``--draft-sources`` says otherwise: the drafter and n-gram matches
+    merged, as the SGLang worker does (``glance_sgl.round.DEFAULT_DRAFT_SOURCES``), or the drafter alone, said on
+    stderr, where SGLang's ``NgramCorpus`` cannot run here."""
+    from glance_sgl.ngram_source import ngram_corpus_class
+    from glance_sgl.round import DEFAULT_DRAFT_SOURCES
+
+    reason = ngram_corpus_class()[1]
+    if reason is None:
+        return DEFAULT_DRAFT_SOURCES
+    print(f"glance serve: drafting from the drafter alone ({reason})", file=sys.stderr)
+    return ("drafter",)
+
+
 def draft_settings(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, str | None]:
-    """``--draft-sources`` (validated, canonical order; None: the engine's default: the drafter alone embedded, the
-    drafter and n-gram matches merged in the SGLang worker) and ``--ngram-corpus`` (None: the n-gram source's
-    default, shared); a CLI error naming the flag otherwise."""
+    """``--draft-sources`` (validated, canonical order; None: the default, :func:`default_draft_sources`) and
+    ``--ngram-corpus`` (None: the n-gram source's default, shared); a CLI error naming the flag otherwise."""
     from glance_sgl.round import check_draft_sources
 
     sources = None
@@ -53,10 +67,11 @@ def draft_settings(args: argparse.Namespace) -> tuple[tuple[str, ...] | None, st
             sources = check_draft_sources([n.strip() for n in args.draft_sources.split(",") if n.strip()])
         except ValueError as exc:
             _fail(f"--draft-sources {args.draft_sources!r}: {exc}")
-    from glance_sgl.sglang.settings import DEFAULT_DRAFT_SOURCES
+    from glance_sgl.round import DEFAULT_DRAFT_SOURCES
 
-    default = DEFAULT_DRAFT_SOURCES if args.backend == "sglang" else ("drafter",)  # the engines' defaults
-    if args.ngram_corpus is not None and "ngram" not in (sources or default):
+    # what the engine drafts from: the sources given, else the default (the n-gram source drafts in mode glance)
+    drafts = sources or (DEFAULT_DRAFT_SOURCES if args.mode == "glance" or args.backend == "sglang" else ())
+    if args.ngram_corpus is not None and "ngram" not in drafts:
         _fail("--ngram-corpus scopes the n-gram source's corpus: pass --draft-sources with ngram "
               "(e.g. --draft-sources drafter,ngram)")
     if args.upstream and sources is not None:
@@ -139,15 +154,25 @@ def build_app(args: argparse.Namespace):
     from .embedded import EmbeddedBackend
 
     options: dict = {"planner": args.planner} if drafter is not None and args.planner else {}
+    defaulted = sources is None and drafter is not None and args.mode == "glance"
+    if defaulted:
+        sources = default_draft_sources()
     if sources is not None:
         if drafter is None and sources != ("drafter",):
             _fail(f"--draft-sources {args.draft_sources}: speculative decoding needs a drafter (--drafter DIR)")
         options["draft_sources"] = sources
+
+    def load(**extra):
+        return GlanceEngine.load(model, drafter, mode=args.mode if drafter is not None else "ar", budget=args.budget,
+                                 branch_k=args.branch_k, ngram_corpus=corpus, **{**options, **extra})
+
     try:
-        engine = GlanceEngine.load(model, drafter, mode=args.mode if drafter is not None else "ar",
-                                   budget=args.budget, branch_k=args.branch_k, ngram_corpus=corpus, **options)
+        engine = load()
     except ValueError as exc:  # e.g. the n-gram source is unavailable (SGLang's NgramCorpus did not build)
-        _fail(f"--draft-sources {args.draft_sources}: {exc}")
+        if not (defaulted and "ngram" in sources and "n-gram source unavailable" in str(exc)):
+            _fail(f"--draft-sources {args.draft_sources}: {exc}")
+        print(f"glance serve: drafting from the drafter alone ({exc})", file=sys.stderr)
+        engine = load(draft_sources=("drafter",))
     backend = EmbeddedBackend(engine, config)
     return create_app(config, backend, engine.target.processor), f"embedded {model} + {drafter or 'no drafter'}"
 
@@ -263,7 +288,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-sources", metavar="SOURCES", default=None,
                    help="candidate sources of the verify tree, comma-separated: drafter (the block drafter), ngram "
                    "(n-gram matches over the request's prompt, its output and recent answers: SGLang's NgramCorpus, "
-                   "no model pass) or drafter,ngram (one merged tree). Default: drafter. Embedded requests may "
+                   "no model pass) or drafter,ngram (one merged tree; the default, in both engines). Embedded requests may "
                    "choose a subset with \"glance\": {\"draft_sources\": ...}; a launched SGLang server gets it "
                    "as GLANCE_DRAFT_SOURCES")
     p.add_argument("--ngram-corpus", choices=["shared", "per-key", "off"], default=None,

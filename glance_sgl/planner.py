@@ -80,9 +80,10 @@ NGRAM_RECHECK = 8
 NGRAM_TREND = 0.7
 NGRAM_PRIOR = 1.0  # weight, in looks, of what lookups added over all requests (a request's prior)
 NGRAM_ALL_TREND = 0.98  # weight of the past in that over-all record (per drafting round that looked)
-# A request's first drafting round looks where the lookups of recent requests' first drafting rounds paid (a record
-# of its own, weight of the past FIRST_TREND per such round: ~2.5 requests, as the traffic changes), and every
-# FIRST_RECHECK-th new request looks all the same, so the record notices traffic whose matches pay again
+# A request that has not drafted yet looks where the lookups of recent such requests paid (a record of its own, of
+# their first drafting rounds and their rounds without the drafter; weight of the past FIRST_TREND per such round,
+# as the traffic changes), and every FIRST_RECHECK-th skip of such a request looks all the same, so the record
+# notices traffic whose matches pay again
 FIRST_TREND = 0.6
 FIRST_RECHECK = 4
 # ... and it keeps looking where the matches' round alone would come within 1 / RIVAL_SLACK of the drafting
@@ -765,17 +766,20 @@ class Planner:
         of a round's ms, against the measured ms per lookup (``cheap_ms``). It looks again after
         ``NGRAM_RECHECK`` skipped rounds, and so does every ``NGRAM_RECHECK``-th skip over all requests (so the
         record over all requests stays current where answers last a few rounds); and whenever its drafting is off
-        (the lookup is then the round's only candidates). A request that has not drafted yet is judged by what
-        the lookups of recent requests' first drafting rounds gave theirs (``lookups_first``, with the over-all
-        record as a prior worth ``NGRAM_PRIOR`` rounds), and every ``FIRST_RECHECK``-th such skip looks all the
-        same. Only the "auto" mode decides; the others always look."""
+        (the lookup is then the round's only candidates). A request that has not drafted yet looks in a batch of
+        several (its lookup is its own record's first entry, and the batch's drafter pass is every request's cost:
+        new requests in a batch of 16 that skipped theirs sent replayed answers through SGLang to the drafter,
+        0.76-0.91x of the round with their lookups); alone in its batch, it is judged by what the lookups of
+        recent such requests gave their rounds (``lookups_first``: first drafting rounds and rounds without the
+        drafter; the over-all record as a prior worth ``NGRAM_PRIOR`` rounds), and every ``FIRST_RECHECK``-th such
+        skip looks all the same. Only the "auto" mode decides; the others always look."""
         bs = len(rids)
         if self.mode != "auto" or self.cheap_ms is None or self.lookups_all.looks < NGRAM_PRIOR:
             return [rows] * bs
         out = []
         for r in rids:
             st = self.state(r)
-            if st.drafting_off:
+            if st.drafting_off or (st.drafted_rounds == 0 and bs > 1):
                 skip = False
             elif st.drafted_rounds == 0:
                 skip = self.lookups_first.looks > 0 and not self._lookup_pays(
@@ -960,6 +964,8 @@ class Planner:
             self.cheap_ms = report.cheap_ms if self.cheap_ms is None else \
                 COST_TREND * self.cheap_ms + (1.0 - COST_TREND) * report.cheap_ms
         self._observe_matches(report)
+        if not report.drafted and report.cheap_ms is not None:
+            self._observe_first_lookups(report)
         if report.drafted:
             self._observe_accepts(report, leads, only)
         # kept only where the next gate may read it (not while every request of a batch that did not draft is
@@ -971,6 +977,16 @@ class Planner:
         if None not in (report.drafter_ms, report.pass_ms, report.host_ms):
             self.costs.observe_round(report.rows, report.batch, report.drafted, report.drafter_ms, report.pass_ms,
                                      report.host_ms)
+
+    def _observe_first_lookups(self, report: RoundReport) -> None:
+        """A round without the drafter that looked the matches up: for each request that has not drafted yet, what
+        its lookup gave (``lookups_first``; its committed drafts were all the matches', none where it found nothing).
+        Without it the record saw only the first rounds that drafted, those whose matches were too weak to stand
+        alone, and told the next requests to skip lookups a replayed answer would have paid for."""
+        for r, a in zip(report.rids, report.accepted):
+            st = self.state(r)
+            if st.drafted_rounds == 0 and st.looked:
+                self.lookups_first.add(a / (1.0 + a), float(a), 1.0 + a, FIRST_TREND)
 
     def _observe_matches(self, report: RoundReport) -> None:
         """Each request's predicted and actual drafts of the round without the drafter: the round itself where it

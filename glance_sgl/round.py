@@ -44,6 +44,10 @@ from .verify import SamplingSpec, WalkResult, verify_tree
 
 
 DRAFT_SOURCES = ("drafter", "ngram")  # the candidate sources a round can draw on, in canonical order
+# What a served GLANCE drafts from unless told otherwise, in both engines (``glance serve``, the SGLang worker): the
+# drafter and n-gram matches in one merged tree. The embedded engine's constructor keeps the drafter alone (the
+# ablations' baseline); ``glance serve`` falls back to it where SGLang's NgramCorpus cannot run.
+DEFAULT_DRAFT_SOURCES = ("drafter", "ngram")
 
 
 def check_draft_sources(names: str | Sequence[str]) -> tuple[str, ...]:
@@ -327,7 +331,7 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
     return calibrate(run_verify, run_draft, [(r, bs) for r in row_grid], [bs], repeats=repeats, key=key, smooth=smooth)
 
 
-__all__ = ["DRAFT_SOURCES", "check_draft_sources",
+__all__ = ["DRAFT_SOURCES", "DEFAULT_DRAFT_SOURCES", "check_draft_sources",
            "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
            "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "round_numbers", "propose",
            "one_tree", "only_requests"]

@@ -196,23 +196,27 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
 
 
 def render_headline(report: dict[str, Any], run: dict[str, Any]) -> str:
-    """README.md ``headline``: the embedded run's decode speedups per task (the full table: docs/benchmarks.md)."""
-    methods = [m for m in ("auto", "fixed", "chain") if m in report["methods"]]
-    head = ["task", *[f"{METHOD_LABELS[m]} decode speedup" for m in methods]]
-    if "auto" in methods:
-        head.append("auto tau")
+    """README.md ``headline``: the embedded run's decode speedups per task (the full table: docs/benchmarks.md),
+    ``glance serve``'s default first (the drafter and n-gram matches merged, where the run has it)."""
+    methods = [m for m in ("merged", "auto", "fixed", "chain") if m in report["methods"]]
+    served = methods[0] if methods and methods[0] in ("merged", "auto") else None
+    labels = {**EMBEDDED_LABELS, "merged": "drafter + n-gram (`glance serve`'s default)",
+              "auto": "GLANCE auto, drafter alone" if "merged" in methods else "GLANCE auto"}
+    head = ["task", *[f"{labels[m]} decode speedup" for m in methods]]
+    if served:
+        head.append(f"{EMBEDDED_LABELS[served]} tau")
     head.append("lossless")
     rows = []
     for task, s in report["tasks"].items():
         ms = s["methods"]
         row = [_task_name(task), *[_x(ms[m]["decode_speedup"]) for m in methods]]
-        if "auto" in methods:
-            row.append(_num(ms["auto"]["tau"]))
+        if served:
+            row.append(_num(ms[served]["tau"]))
         rows.append(row + [_num(s["lossless_match_rate"])])
     if report.get("geomean"):
         rows.append([f"geomean, {len(report['geomean_tasks'])} demo tasks",
                      *[_x(report["geomean"][m]["decode_speedup"]) for m in methods],
-                     *([""] if "auto" in methods else []), ""])
+                     *([""] if served else []), ""])
     lines = [f"Made by {_provenance(run)}; the bundled demo pair, budget {report['budget']}, branch_k "
              f"{report['branch_k']}, greedy, {report['limit']} prompts per task:", ""]
     return "\n".join(lines + _table(head, rows))

@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 from glance_sgl.ngram_source import SCOPES as NGRAM_CORPORA
-from glance_sgl.round import DRAFT_SOURCES, check_draft_sources
+# the worker's sources by default: the drafter and n-gram matches, merged (on 2 CPU cores, interleaved, ahead of
+# the drafter alone in every scenario of the SGLang bench; docs/sglang.md "Candidate sources")
+from glance_sgl.round import DEFAULT_DRAFT_SOURCES, DRAFT_SOURCES, check_draft_sources
 
 PLANNER_ENV = "GLANCE_PLANNER"  # also set by `glance serve --backend sglang --planner` for its server
 PLANNERS = ("auto", "fixed", "off", "random")
@@ -79,10 +81,6 @@ def parse_widths(raw: str, name: str = "GLANCE_CUDA_GRAPH_WIDTHS") -> tuple[int,
         raise SettingsError(f"{name}: row counts must be >= 1, got {raw!r}")
     return widths
 
-
-# The worker's sources by default: the drafter and n-gram matches, merged (issue 27: on 2 CPU cores, interleaved,
-# ahead of the drafter alone in every scenario of the SGLang bench; docs/sglang.md "Candidate sources").
-DEFAULT_DRAFT_SOURCES = ("drafter", "ngram")
 
 
 def parse_draft_sources(raw: str, name: str = "GLANCE_DRAFT_SOURCES") -> tuple[str, ...]:

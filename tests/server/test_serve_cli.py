@@ -44,7 +44,9 @@ def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
     (["serve", "--backend", "sglang", "--upstream", "http://127.0.0.1:9", "--planner", "fixed"], "GLANCE_PLANNER"),
     (["serve", "--draft-sources", "drafter,beam"], "--draft-sources 'drafter,beam': draft sources must be"),
     (["serve", "--draft-sources", ","], "--draft-sources ',': draft sources must be a non-empty subset"),
-    (["serve", "--ngram-corpus", "per-key"], "--ngram-corpus scopes the n-gram source's corpus"),
+    (["serve", "--draft-sources", "drafter", "--ngram-corpus", "per-key"],
+     "--ngram-corpus scopes the n-gram source's corpus"),
+    (["serve", "--mode", "chain", "--ngram-corpus", "off"], "--ngram-corpus scopes the n-gram source's corpus"),
     (["serve", "--ngram-corpus", "tenant"], "invalid choice: 'tenant'"),
     (["serve", "--draft-sources", "ngram", "--mode", "chain"], "--mode glance"),
     (["serve", "--backend", "sglang", "--upstream", "http://127.0.0.1:9", "--draft-sources", "drafter,ngram"],
@@ -119,3 +121,21 @@ def test_glance_serve_process(checkpoints):
         except subprocess.TimeoutExpired:
             proc.kill()
     assert proc.returncode == 0
+
+
+def test_glance_serve_merges_the_drafter_and_ngram_matches_by_default(checkpoints):
+    """Like the SGLang worker, ``glance serve`` drafts from the drafter and n-gram matches merged unless
+    ``--draft-sources`` says otherwise; ``--mode ar`` builds no source."""
+    from glance_server.cli import build_app
+    from glance_sgl.round import DEFAULT_DRAFT_SOURCES
+
+    target, drafter = (str(p) for p in checkpoints)
+    base = ["serve", "--model", target, "--drafter", drafter, "--budget", "7"]
+    for extra, sources, ngram in (([], DEFAULT_DRAFT_SOURCES, True), (["--draft-sources", "drafter"], ("drafter",),
+                                                                        False)):
+        app, _ = build_app(glance_cli.build_parser().parse_args(base + extra))
+        engine = app.app.state.gateway.backend.engine
+        assert engine.draft_sources == sources and (engine.ngram is not None) == ngram
+    assert DEFAULT_DRAFT_SOURCES == ("drafter", "ngram")
+    app, _ = build_app(glance_cli.build_parser().parse_args(base + ["--mode", "ar"]))
+    assert app.app.state.gateway.backend.engine.ngram is None
