@@ -139,3 +139,20 @@ def test_glance_serve_merges_the_drafter_and_ngram_matches_by_default(checkpoint
     assert DEFAULT_DRAFT_SOURCES == ("drafter", "ngram")
     app, _ = build_app(glance_cli.build_parser().parse_args(base + ["--mode", "ar"]))
     assert app.app.state.gateway.backend.engine.ngram is None
+
+
+def test_glance_serve_drafts_from_the_drafter_alone_where_the_ngram_source_cannot_run(checkpoints, monkeypatch,
+                                                                                      capsys):
+    """Without SGLang's NgramCorpus (the CPU image ships without SGLang) the default falls back to the drafter
+    alone and says so; asking for the n-gram source explicitly is a CLI error naming the flag."""
+    from glance_server.cli import build_app
+    from glance_sgl import ngram_source
+
+    monkeypatch.setattr(ngram_source, "_IMPORT", (None, "n-gram source unavailable: SGLang is not installed"))
+    target, drafter = (str(p) for p in checkpoints)
+    base = ["serve", "--model", target, "--drafter", drafter, "--budget", "7"]
+    app, _ = build_app(glance_cli.build_parser().parse_args(base))
+    assert app.app.state.gateway.backend.engine.draft_sources == ("drafter",)
+    assert "drafting from the drafter alone (n-gram source unavailable" in capsys.readouterr().err
+    code, err = run_cli(base + ["--draft-sources", "drafter,ngram"], capsys)
+    assert code == 2 and "--draft-sources drafter,ngram" in err and "SGLang is not installed" in err
