@@ -137,8 +137,19 @@ class CostModel:
         return _interp(self.verify_rows, self.verify_ms_at, float(rows * batch)) * self.scale
 
     def verify_ms_many(self, rows: Sequence[int], batch: int = 1) -> list[float]:
-        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs."""
-        return [self.verify_ms(r, batch) for r in rows]
+        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs (in
+        ascending order: one walk along the curve, no search per size; a planner round weighs up to 32)."""
+        xs, ys, last = self.verify_rows, self.verify_ms_at, len(self.verify_rows) - 1
+        if last == 0 or any(b < a for a, b in zip(rows, rows[1:])):
+            return [self.verify_ms(r, batch) for r in rows]
+        out, i = [], 1
+        for r in rows:
+            x = float(r * batch)
+            while i < last and xs[i] < x:  # _interp's segment: the first point at or past x, within [1, last]
+                i += 1
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            out.append(max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) * self.scale)
+        return out
 
     def draft_ms(self, batch: int = 1) -> float:
         return _interp(self.draft_batch, self.draft_ms_at, float(batch)) * self.scale
@@ -363,13 +374,18 @@ class DepthCalibration:
         self.host_lists = host_lists  # False: a device-resident step, whose trees and walks never come to the host
         self.predicted = torch.full((max_depth + 1,), prior, dtype=torch.float64)
         self.hits = torch.full((max_depth + 1,), prior, dtype=torch.float64)
+        self._log_cumulative: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def log_cumulative(self) -> torch.Tensor:
-        """[max_depth + 1] float32: ``C[d] = sum_{1..d} log factor``, C[0] = 0."""
-        factor = (self.hits / self.predicted).clamp(1e-3, 1e3)
-        logf = factor.log()
-        logf[0] = 0.0
-        return torch.cumsum(logf, 0).float()
+        """[max_depth + 1] float32: ``C[d] = sum_{1..d} log factor``, C[0] = 0. Made again only after the sums
+        changed (every choice reads it; only a drafting round's report changes them)."""
+        key = (id(self.hits), self.hits._version, id(self.predicted), self.predicted._version)
+        if self._log_cumulative is None or self._log_cumulative[0] != key:
+            factor = (self.hits / self.predicted).clamp(1e-3, 1e3)
+            logf = factor.log()
+            logf[0] = 0.0
+            self._log_cumulative = key, torch.cumsum(logf, 0).float()
+        return self._log_cumulative[1]
 
     def node_probs(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
                    drafter_nodes: bool = True) -> torch.Tensor:

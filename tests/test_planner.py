@@ -702,3 +702,17 @@ def test_new_requests_look_the_matches_up_where_recent_new_requests_lookups_paid
         planner.report(RoundReport([f"replay{i}"], Plan(7, [8.0], drafted=False, raw_accept=[7.0]), 8, [7], None,
                                    None, [0.01], cheap_ms=0.5))
     assert [planner.cheap_rows([f"next{i}"], 16)[0] for i in range(2 * FIRST_RECHECK)] == [16] * 2 * FIRST_RECHECK
+
+
+def test_the_depth_factors_are_made_again_only_after_their_sums_change():
+    depth = DepthCalibration(5)
+    first = depth.log_cumulative()
+    assert depth.log_cumulative() is first  # every choice reads it: no recomputation between reports
+    depth.hits[2:] *= 0.5  # an in-place change (a report's, or a test's) is seen
+    halved = depth.log_cumulative()
+    assert halved is not first and float(halved[2]) == pytest.approx(float(first[2]) + math.log(0.5), abs=1e-6)
+    tree = random_tree(3, 7)
+    walk = verify_tree(tree.tokens, tree.parents, tree.depths, torch.randn(1, tree.num_rows, 50), torch.tensor([0]),
+                       [SamplingSpec()], max_depth=7)
+    depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
+    assert not torch.equal(depth.log_cumulative(), halved)
