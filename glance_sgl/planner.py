@@ -137,19 +137,8 @@ class CostModel:
         return _interp(self.verify_rows, self.verify_ms_at, float(rows * batch)) * self.scale
 
     def verify_ms_many(self, rows: Sequence[int], batch: int = 1) -> list[float]:
-        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs (in
-        ascending order: one walk along the curve, no search per size; a planner round weighs up to 32)."""
-        xs, ys, last = self.verify_rows, self.verify_ms_at, len(self.verify_rows) - 1
-        if last == 0 or any(b < a for a, b in zip(rows, rows[1:])):
-            return [self.verify_ms(r, batch) for r in rows]
-        out, i = [], 1
-        for r in rows:
-            x = float(r * batch)
-            while i < last and xs[i] < x:  # _interp's segment: the first point at or past x, within [1, last]
-                i += 1
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            out.append(max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) * self.scale)
-        return out
+        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs."""
+        return [self.verify_ms(r, batch) for r in rows]
 
     def draft_ms(self, batch: int = 1) -> float:
         return _interp(self.draft_batch, self.draft_ms_at, float(batch)) * self.scale
