@@ -586,12 +586,14 @@ class LookupRecord:
 
     def means(self, prior: "LookupRecord | None" = None, weight: float = 0.0) -> tuple[float, float, float]:
         """(share, alone, tokens) per round, with ``prior``'s means worth ``weight`` rounds (0, 0, 0: no round)."""
-        p = weight / prior.looks if prior is not None and prior.looks > 0 else 0.0
-        n = p * (prior.looks if prior is not None else 0.0) + self.looks
+        if prior is None or prior.looks <= 0:
+            prior, weight = LookupRecord(), 0.0
+        n = weight + self.looks
         if n <= 0:
             return 0.0, 0.0, 0.0
-        pr = prior or LookupRecord()
-        return ((p * pr.share + self.share) / n, (p * pr.alone + self.alone) / n, (p * pr.tokens + self.tokens) / n)
+        p = weight / prior.looks if weight else 0.0  # each prior sum scaled to ``weight`` rounds
+        return ((p * prior.share + self.share) / n, (p * prior.alone + self.alone) / n,
+                (p * prior.tokens + self.tokens) / n)
 
 
 # ---------------------------------------------------------------------------------------------------- policy
@@ -907,7 +909,7 @@ class Planner:
         """Whether no gate reads these requests' lead entropies after a round without the drafter: the planner is
         ``off`` (its gate reads nothing), or every one of them has its drafting off (paused or held back; a probe
         then reads none), none of them for matches only (``RequestPlanState.yielded``)."""
-        return self.mode == "off" or all(self.state(r).drafting_off and not self.state(r).yielded for r in rids)
+        return self.mode == "off" or all(self.state(r).off_for(matched=False) for r in rids)
 
     # ------------------------------------------------------------ step 2: how many nodes
     def expected_accept(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
