@@ -101,6 +101,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         _fail("--upstream is for --backend sglang")
     if args.upstream and args.planner:
         _fail("--planner cannot reach a running SGLang server (--upstream): start it with GLANCE_PLANNER=auto|fixed")
+    if args.threads is not None and args.threads < 1:
+        _fail(f"--threads {args.threads}: must be at least 1")
     if args.allow_remote_images and not args.remote_image_host:
         _fail("--allow-remote-images needs at least one --remote-image-host")
     try:
@@ -117,7 +119,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         allow_remote_images=args.allow_remote_images, remote_image_hosts=args.remote_image_host or [],
         trusted_image_networks=args.trusted_image_network or [], calibrate=not args.no_calibrate,
         upstream_url=args.upstream, upstream_api_key=upstream_key, ar_ms_per_token=args.ar_ms_per_token,
-        sglang_restart=restart, debug_faults=args.debug_faults,
+        sglang_restart=restart, debug_faults=args.debug_faults, threads=args.threads,
     )
 
 
@@ -317,7 +319,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="private network remote images may come from anyway")
     p.add_argument("--ar-ms-per-token", type=float, default=None, help="sglang backend: AR cost for estimates")
     p.add_argument("--no-calibrate", action="store_true", help="skip the start-up AR calibration")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads of the engine (default: the faster of torch's count and 1, timed at "
+                        "start-up in the engine thread)")
     p.add_argument("--limit-concurrency", type=int, default=None, help="uvicorn connection limit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--debug-faults", action="store_true", help=argparse.SUPPRESS)

@@ -79,6 +79,8 @@ class ServerConfig:
     trusted_image_networks: list[str] = field(default_factory=list)
     # embedded engine
     calibrate: bool = True  # measure AR ms/token at start-up for the estimated speedup
+    # torch intra-op threads of the engine thread (None: timed at start-up, see EmbeddedBackend._pick_threads)
+    threads: int | None = None
     # sglang backend
     upstream_url: str | None = None
     upstream_api_key: str | None = None  # sent as a bearer token to the upstream server
@@ -94,6 +96,8 @@ class ServerConfig:
         self.trusted_networks = [ipaddress.ip_network(n, strict=False) for n in self.trusted_image_networks]
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be >= 1")
         if self.default_max_tokens > self.max_tokens_limit:
             self.default_max_tokens = self.max_tokens_limit
 

@@ -5,9 +5,10 @@ the worker thread runs jobs one at a time and posts committed text back to the l
 its queue slot at once and, if running, stops at the next round (the engine polls ``should_stop``). An engine
 exception fails that one request (503) and the worker carries on with the next.
 
-At start-up the worker calibrates the AR decode cost (ms/token) on a small synthetic image prompt; AR runs
-made later for ``measure_speedup`` refine it (exponential average), and the estimate feeds every response's
-``estimated_speedup``.
+At start-up the worker picks its torch intra-op threads (:meth:`EmbeddedBackend._pick_threads`: on a CPU the
+model runs in this thread, not the process's main thread, and OpenMP behaves differently there), then calibrates
+the AR decode cost (ms/token) on a small synthetic image prompt; AR runs made later for ``measure_speedup`` refine
+it (exponential average), and the estimate feeds every response's ``estimated_speedup``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image
 
 from glance_sgl.engine import GenerationResult, GlanceEngine, RequestError, SamplingParams
@@ -86,6 +88,7 @@ class EmbeddedBackend(Backend):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._calibrated = not config.calibrate
+        self.threads: int | None = None  # the engine thread's torch intra-op threads, once the worker started
         self.ar_ms_per_token: float | None = None
         self.mean_job_s = 1.0  # exponential average of a job's run time (for Retry-After)
 
@@ -119,7 +122,7 @@ class EmbeddedBackend(Backend):
                 "ngram_corpus": ngram.source.settings.scope if ngram is not None else None,
                 "block_size": self.engine.block_size, "budget": self.engine.budget,
                 "max_nodes": getattr(self.engine, "max_nodes", None), "branch_k": self.engine.branch_k,
-                "context_length": self.engine.target.context_length,
+                "context_length": self.engine.target.context_length, "threads": self.threads,
                 "estimated_ar_ms_per_token": self.ar_ms_per_token}
 
     def stats(self) -> dict[str, int]:
@@ -192,6 +195,7 @@ class EmbeddedBackend(Backend):
                 self._cond.wait()
 
     def _worker(self) -> None:
+        self._pick_threads()
         if not self._calibrated:
             try:
                 self._calibrate()
@@ -215,6 +219,48 @@ class EmbeddedBackend(Backend):
                 with self._cond:
                     self._running = None
                 self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - t0)
+
+    def _pick_threads(self) -> None:
+        """The engine thread's torch intra-op threads: ``config.threads`` where given, else, on a CPU, whichever of
+        torch's count and 1 decodes faster in this thread (timed on the calibration prompt: AR and drafter-chain
+        rounds), else torch's count. Once the process's main thread has run an OpenMP region (loading the model
+        does), regions started from another thread are far slower with several threads on a few cores: on 2 cores
+        the demo target's 8-row GEMMs took 2.4x as long in a worker thread as in the main thread, a verify round
+        of the fixed tree 1.7x (12.1 vs 7.6 ms) and an AR step 1.2x; with one thread the worker ran within 10 %
+        of the main thread. Set here, in the thread that runs the model: OpenMP keeps the count per thread."""
+        if self.config.threads is not None:
+            torch.set_num_threads(self.config.threads)
+            self.threads = self.config.threads
+            return
+        default = self.threads = torch.get_num_threads()
+        if not self.config.calibrate or default <= 1 or self.engine.target.device.type != "cpu":
+            return
+        try:
+            timed = {n: self._decode_cost(n) for n in (default, 1)}
+        except Exception:  # keep torch's count; the calibration that follows reports what fails
+            log.exception("timing the engine thread's torch threads failed")
+            torch.set_num_threads(default)
+            return
+        self.threads = min(timed, key=timed.get)
+        torch.set_num_threads(self.threads)
+        log.info("engine thread: %d torch threads (ms per AR + chain round: %s)", self.threads,
+                 ", ".join(f"{n} threads {ms:.2f}" for n, ms in timed.items()))
+
+    def _decode_cost(self, threads: int, repeats: int = 2) -> float:
+        """Milliseconds of an AR round plus, with a drafter, a drafter-chain round (drafter pass and a verify of
+        the block's rows), in this thread at ``threads`` torch threads: the fastest of ``repeats`` runs. Neither
+        mode reaches the planner or the n-gram corpus, so nothing is learned from runs at the wrong count."""
+        torch.set_num_threads(threads)
+        prompt = self.engine.prepare(calibration_messages())
+        params = SamplingParams(max_tokens=16, temperature=0.0)
+
+        def per_round(**kw) -> float:
+            m = self.engine.generate(prompt, params, **kw).metrics
+            return m.decode_ms / max(m.rounds, 1)
+
+        runs = [("ar", None)] + ([("chain", ("drafter",))] if self.engine.drafter is not None else [])
+        return sum(min(per_round(mode=mode, draft_sources=src) if src else per_round(mode=mode)
+                       for _ in range(repeats)) for mode, src in runs)
 
     def _calibrate(self) -> None:
         messages = calibration_messages()

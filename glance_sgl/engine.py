@@ -343,9 +343,12 @@ class GlanceEngine:
         cfg = self.target.model.config.to_json_string(use_diff=False)
         params = sum(p.numel() for p in self.target.model.parameters())
         drafter = json.dumps(self.drafter.config.to_dict(), sort_keys=True) if self.drafter is not None else ""
+        # the thread matters too: OpenMP regions run slower from a thread other than the main one once that has
+        # run any (glance_server.embedded.EmbeddedBackend._pick_threads), so costs timed in one do not carry over
+        main = threading.current_thread() is threading.main_thread()
         return cost_key("embedded", self.target.device, platform.machine(), platform.processor(),
-                        torch.__version__, torch.get_num_threads(), self.target.model.dtype, cfg, params, drafter,
-                        self.max_nodes, self.branch_k)
+                        torch.__version__, torch.get_num_threads(), main, self.target.model.dtype, cfg, params,
+                        drafter, self.max_nodes, self.branch_k)
 
     @torch.no_grad()
     def _calibrate(self, key: str) -> CostModel:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from glance_sgl.checkpoints import build_random_pair
 from glance_sgl.engine import GlanceEngine
@@ -29,8 +30,8 @@ def engine(checkpoints) -> GlanceEngine:
 def gateway(engine):
     """The main gateway: API key, remote images on for an allowlist of (refused) loopback/metadata hosts and
     for 127.0.0.2 (a trusted network: the test image host), fault injection on, calibrated."""
-    server = start_embedded(
-        engine, calibrate=True, debug_faults=True, allow_remote_images=True,
+    server = start_embedded(  # threads: the session's count, kept (tests/server/test_engine_threads.py times them)
+        engine, calibrate=True, threads=torch.get_num_threads(), debug_faults=True, allow_remote_images=True,
         remote_image_hosts=["127.0.0.1", "localhost", "169.254.169.254", "::1", "::ffff:127.0.0.1", "127.0.0.2",
                             "0.0.0.0"],
         trusted_image_networks=["127.0.0.2/32"], remote_image_timeout_s=5,

@@ -48,6 +48,7 @@ def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
      "--ngram-corpus scopes the n-gram source's corpus"),
     (["serve", "--mode", "chain", "--ngram-corpus", "off"], "--ngram-corpus scopes the n-gram source's corpus"),
     (["serve", "--ngram-corpus", "tenant"], "invalid choice: 'tenant'"),
+    (["serve", "--threads", "0"], "--threads 0: must be at least 1"),
     (["serve", "--draft-sources", "ngram", "--mode", "chain"], "--mode glance"),
     (["serve", "--backend", "sglang", "--upstream", "http://127.0.0.1:9", "--draft-sources", "drafter,ngram"],
      "GLANCE_DRAFT_SOURCES"),
