@@ -258,7 +258,7 @@ class CandidateTrie:
     siblings carry distinct tokens. ``best_first(n)`` packs the best ``n`` nodes as rows.
     """
 
-    __slots__ = ("tokens", "parents", "depths", "scores", "tags", "children", "_index", "_keys")
+    __slots__ = ("tokens", "parents", "depths", "scores", "tags", "children", "_index")
 
     def __init__(self, root: int) -> None:
         self.tokens: list[int] = [int(root)]
@@ -268,7 +268,6 @@ class CandidateTrie:
         self.tags: list[int] = [SOURCE_NONE]
         self.children: list[list[int]] = [[]]
         self._index: dict[tuple[int, int], int] = {}
-        self._keys: list[float] | None = None  # best_first's order where it is not the scores' (rescore in_order)
 
     def __len__(self) -> int:
         """Nodes, the root included."""
@@ -316,19 +315,13 @@ class CandidateTrie:
         per-depth, per-sibling-rank table of conditional log-acceptance ``log_table[depth][rank]`` (depths and
         ranks beyond the table read its last entry): a node's score is its parent's plus its own entry, so scores
         never increase along a path. ``rank`` counts the earlier siblings carrying ``tag``. Nodes carrying other
-        bits too keep the best of their score and this one.
-
-        ``in_order``: ``best_first`` keeps the order the source proposed its nodes in (SGLang's BFS: its longest
-        match's most recent continuation first; a BFS of ``n`` nodes is the first ``n`` of a wider one, and a table
-        of depth and rank knows nothing of match lengths): it packs them by a key that never increases in creation
-        order (each node's score, floored by every earlier node's key), while the scores, which the packed rows
-        carry, stay the calibrated estimates. A floored score would be no estimate at all: one unlikely sibling
-        at depth 1 would price a whole replayed chain proposed after it at that sibling's chance (replayed demo
-        answers through SGLang: 2.2 drafts predicted, 5.9 accepted, on 7-node trees). Returns every node's rank
+        bits too keep the best of their score and this one. ``in_order``: scores of nodes tagged ``tag`` alone
+        never increase in creation order either, so ``best_first`` keeps the order the source proposed them in
+        (SGLang's BFS: its longest match's most recent continuation first; a BFS of ``n`` nodes is the first ``n``
+        of a wider one, and a table of depth and rank knows nothing of match lengths). Returns every node's rank
         (-1: not tagged ``tag``; the root's -1), for ``SourceAcceptance.observe_hindsight``."""
         rank_seen = [0] * len(self.tokens)
         ranks = [-1] * len(self.tokens)
-        keys = list(self.scores) if in_order else None
         floor = 0.0
         for node in range(1, len(self.tokens)):
             if not self.tags[node] & tag:
@@ -339,26 +332,21 @@ class CandidateTrie:
             row = log_table[min(self.depths[node], len(log_table) - 1)]
             score = self.scores[parent] + row[min(rank, len(row) - 1)]
             if self.tags[node] == tag:
+                if in_order:
+                    score = floor = min(score, floor)
                 self.scores[node] = score
-                if keys is not None:
-                    keys[node] = floor = min(score, floor)
             elif score > self.scores[node]:
                 self.scores[node] = score
-                if keys is not None:
-                    keys[node] = score
-        self._keys = keys
         return ranks
 
     def best_first(self, nodes: int) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
         """The best ``nodes`` nodes (fewer if the trie is smaller) packed as rows ``[root] + nodes``: tokens,
         parent rows, depths, scores, tags. A frontier walk from the root (pop the best-scored node whose parent is
-        packed, ties in creation order; after ``rescore(in_order=True)`` the best-keyed one), so the rows are
-        prefix-closed and parents precede children whatever the scores; where scores do not increase along paths
-        the rows are the best-scored prefix-closed set."""
+        packed, ties in creation order), so the rows are prefix-closed and parents precede children whatever the
+        scores; where scores do not increase along paths the rows are the best-scored prefix-closed set."""
         tok, par, dep, sco, tag = [self.tokens[0]], [-1], [0], [0.0], [SOURCE_NONE]
         row_of = [0] * len(self.tokens)
-        keys = self._keys if self._keys is not None and len(self._keys) == len(self.scores) else self.scores
-        heap = [(-keys[c], c) for c in self.children[0]]
+        heap = [(-self.scores[c], c) for c in self.children[0]]
         heapq.heapify(heap)
         while heap and len(tok) <= nodes:
             _, node = heapq.heappop(heap)
@@ -369,7 +357,7 @@ class CandidateTrie:
             sco.append(self.scores[node])
             tag.append(self.tags[node])
             for c in self.children[node]:
-                heapq.heappush(heap, (-keys[c], c))
+                heapq.heappush(heap, (-self.scores[c], c))
         return tok, par, dep, sco, tag
 
 

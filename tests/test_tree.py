@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 
-import math
 import random
 
 import pytest
@@ -470,21 +469,6 @@ def test_rescore_in_order_keeps_the_sources_proposal_order():
     assert tokens == [0, 1, 2, 3] and parents == [-1, 0, 1, 2]
     assert all(a >= b for a, b in zip(scores[1:], scores[2:]))
     assert ordered.best_first(5)[0] == [0, 1, 2, 3, 4, 9]
-
-
-def test_rescore_in_order_keeps_calibrated_scores_on_the_packed_rows():
-    """The in-order keys only order the rows: the packed scores stay the table's path estimates. SGLang's level
-    order puts a weak depth-1 sibling before the chain's deeper nodes; the chain's scores are not priced at it."""
-    table = [[0.0, 0.0]] + [[math.log(0.9), math.log(0.1)]] * 8
-    t = CandidateTrie(0)
-    a = t.add(0, 1, 0.0, SOURCE_NGRAM)
-    t.add(0, 9, 0.0, SOURCE_NGRAM)  # the sibling, in level order before the chain's depth 2
-    a2 = t.add(a, 2, 0.0, SOURCE_NGRAM)
-    t.add(a2, 3, 0.0, SOURCE_NGRAM)
-    t.rescore(table, SOURCE_NGRAM, in_order=True)
-    tokens, parents, depths, scores, _ = t.best_first(4)
-    assert tokens == [0, 1, 9, 2, 3]  # the proposal order
-    assert scores == pytest.approx([0.0, math.log(0.9), math.log(0.1), 2 * math.log(0.9), 3 * math.log(0.9)])
 
 
 @pytest.mark.parametrize("seed", range(3))
