@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 import json
 import platform
-import queue
 import random
 import threading
 import time
@@ -389,6 +388,20 @@ class GlanceEngine:
         the API key; None: the anonymous tenant). Text holding a special-token string
         (``<|image_pad|>``, ``<|im_start|>``, ...) is refused (:class:`RequestError`, code
         ``special_token_in_text``)."""
+        params, mode, sources = self._checked(params, mode, planner, draft_sources)
+        with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
+            rounds = self._start(messages, params, mode, planner, should_stop, sources, ngram_key)
+            while True:
+                try:
+                    out, tokens = next(rounds)
+                except StopIteration as done:
+                    return done.value
+                if on_delta is not None:
+                    on_delta(out.delta(tokens))
+
+    def _checked(self, params: SamplingParams | None, mode: Mode | None, planner: PlannerMode | None,
+                 draft_sources: Sequence[str] | None) -> tuple[SamplingParams, Mode, tuple[str, ...]]:
+        """A request's settings, validated (:class:`RequestError`): its params, mode and candidate sources."""
         params = params or SamplingParams()
         params.validate()
         mode = mode or self.mode
@@ -399,12 +412,17 @@ class GlanceEngine:
         sources = self.check_sources(draft_sources, mode)
         if planner is not None and mode != "glance":
             raise RequestError(f"a planner applies to mode 'glance' only, not {mode!r}", param="planner")
-        with self._lock:  # one request at a time (fast tokenizers are not safe to share across threads either)
-            plan = self.planner(planner) if mode == "glance" else None
-            t0 = time.perf_counter()
-            prompt = messages if isinstance(messages, PreparedPrompt) else self.prepare(messages)
-            prepare_ms = (time.perf_counter() - t0) * 1000.0
-            return self._run(prompt, prepare_ms, params, mode, plan, on_delta, should_stop, sources, ngram_key)
+        return params, mode, sources
+
+    def _start(self, messages: list[dict[str, Any]] | str | PreparedPrompt, params: SamplingParams, mode: Mode,
+               planner: PlannerMode | None, should_stop, sources: Sequence[str], ngram_key: str | None
+               ) -> Iterator[tuple["_Output", list[int]]]:
+        """The request's planner and prompt, then its decoding loop (:meth:`_run`); under the engine's lock."""
+        plan = self.planner(planner) if mode == "glance" else None
+        t0 = time.perf_counter()
+        prompt = messages if isinstance(messages, PreparedPrompt) else self.prepare(messages)
+        prepare_ms = (time.perf_counter() - t0) * 1000.0
+        return self._run(prompt, prepare_ms, params, mode, plan, should_stop, sources, ngram_key)
 
     def check_fits(self, prompt: PreparedPrompt, params: SamplingParams) -> None:
         """Refuses (``context_length_exceeded``) a prompt whose tokens plus ``max_tokens`` and a tree do not fit
@@ -439,30 +457,23 @@ class GlanceEngine:
                draft_sources: Sequence[str] | None = None,
                ngram_key: str | None = None) -> Iterator[StreamDelta | GenerationResult]:
         """Yield :class:`StreamDelta` items as tokens commit, then the final :class:`GenerationResult`.
-        Closing the iterator early cancels the request."""
-        items: queue.Queue = queue.Queue()
-        cancelled = threading.Event()
-        done = object()
-
-        def work() -> None:
+        Closing the iterator early ends the request. The model runs in the caller's thread, between the items: a
+        thread of its own would run it far slower on a few cores once the main thread has run OpenMP work (see
+        ``glance_server.embedded.EmbeddedBackend._pick_threads``). The engine's lock is held until the last item
+        or the close."""
+        params, mode, sources = self._checked(params, mode, planner, draft_sources)
+        with self._lock:
+            rounds = self._start(messages, params, mode, planner, None, sources, ngram_key)
             try:
-                items.put(self.generate(messages, params, mode, on_delta=items.put, should_stop=cancelled.is_set,
-                                        planner=planner, draft_sources=draft_sources, ngram_key=ngram_key))
-            except BaseException as exc:  # handed to the consumer
-                items.put(exc)
+                while True:
+                    try:
+                        out, tokens = next(rounds)
+                    except StopIteration as done:
+                        yield done.value
+                        return
+                    yield out.delta(tokens)
             finally:
-                items.put(done)
-
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
-        try:
-            while (item := items.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancelled.set()
-            thread.join()
+                rounds.close()  # an early close ends the loop: its request is forgotten, its answer published
 
     # ------------------------------------------------------------------ the loop
     def check_sources(self, names: Sequence[str] | None, mode: Mode) -> tuple[str, ...]:
@@ -482,9 +493,11 @@ class GlanceEngine:
         return names
 
     def _run(self, prompt: PreparedPrompt, prepare_ms: float, params: SamplingParams, mode: Mode,
-             planner: Planner | None, on_delta, should_stop, sources: Sequence[str] = ("drafter",),
-             ngram_key: str | None = None) -> GenerationResult:
-        """The decoding loop. ``prefill_ms`` counts the prompt's preparation (``prepare_ms``) and the prefill."""
+             planner: Planner | None, should_stop, sources: Sequence[str] = ("drafter",),
+             ngram_key: str | None = None) -> Iterator[tuple["_Output", list[int]]]:
+        """The decoding loop, as a generator: it yields ``(output, tokens)`` as tokens commit (the caller makes a
+        delta of them where it wants one: ``output.delta(tokens)``) and returns the :class:`GenerationResult`.
+        ``prefill_ms`` counts the prompt's preparation (``prepare_ms``) and the prefill."""
         spec = SamplingSpec(params.temperature, params.top_p,
                             params.seed if params.seed is not None else random.getrandbits(62))
         metrics = RequestMetrics(mode=mode, block_size=self.block_size if mode != "ar" else 1)
@@ -523,10 +536,9 @@ class GlanceEngine:
         k = params.logprobs
         out.add([first], token_logprobs(rows.logits[-1:], [first], k) if k is not None else None)
         metrics.prefill_ms = prepare_ms + (time.perf_counter() - t0) * 1000.0
-        self._emit(on_delta, out, [first])
-
-        t1 = time.perf_counter()
-        try:
+        try:  # from here on the request is the planner's and the n-gram source's: whatever ends it, they forget it
+            yield out, [first]
+            t1 = time.perf_counter()
             while out.finish_reason is None:
                 if should_stop is not None and should_stop():
                     out.finish_reason = "cancelled"
@@ -548,7 +560,7 @@ class GlanceEngine:
                                          drafter_ran=rec.drafter_ran)
                     if rec.sources is not None:
                         metrics.record_sources(rec.sources)
-                self._emit(on_delta, out, new_tokens[:kept])
+                yield out, new_tokens[:kept]
         finally:
             if request is not None:
                 request.policy.forget(request.rid)
@@ -561,10 +573,6 @@ class GlanceEngine:
 
     def _taps(self, mode: Mode) -> list[int] | None:
         return self.drafter.config.tap_layers if mode != "ar" and self.drafter is not None else None
-
-    def _emit(self, on_delta, out: _Output, tokens: list[int]) -> None:
-        if on_delta is not None:
-            on_delta(out.delta(tokens))
 
     def _choices(self, logits: torch.Tensor, depths: torch.Tensor, next_index: int, spec: SamplingSpec) -> torch.Tensor:
         """Target choices for rows ``logits`` [R, V] at ``depths`` [R]; output index of depth 0 is next_index."""

@@ -110,8 +110,29 @@ def test_cancellation(engine, messages):
     assert result.finish_reason == "cancelled" and len(result.token_ids) == 1
     stream = engine.stream(messages, SamplingParams(max_tokens=24))
     next(stream)
-    stream.close()  # closing early cancels and joins the worker
+    stream.close()  # closing early ends the request
     assert engine.generate(messages, SamplingParams(max_tokens=3)).token_ids  # engine still usable
+
+
+@pytest.mark.parametrize("items", [1, 3])
+def test_a_stream_runs_in_the_callers_thread_and_a_close_forgets_its_request(engine, messages, monkeypatch, items):
+    """No thread of its own (OpenMP work from another thread than the main one runs far slower on a few cores),
+    and closing the stream after any item leaves nothing behind: the planner and the n-gram source forget it."""
+    import threading
+
+    merged = GlanceEngine(engine.target, engine.drafter, draft_sources=("drafter", "ngram"))
+    threads = []
+    prefill = engine.target.prefill
+    monkeypatch.setattr(engine.target, "prefill", lambda *a, **k: threads.append(threading.current_thread()) or
+                        prefill(*a, **k))
+    stream = merged.stream(messages, SamplingParams(max_tokens=24))
+    for _ in range(items):
+        next(stream)
+    assert threads == [threading.current_thread()]
+    assert merged.planner().known() and merged.ngram.source.request_ids()
+    stream.close()
+    assert not merged.planner().known()
+    assert not merged.ngram.source.request_ids()
 
 
 @pytest.mark.parametrize("params", [
