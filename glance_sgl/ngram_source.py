@@ -32,6 +32,7 @@ Not thread-safe: one engine thread (or the SGLang scheduler) drives a source.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -568,22 +569,25 @@ class NgramSource:
         for i, q in enumerate(queries):
             groups.setdefault(id(q.corpus), []).append(i)
         self._read.update(groups)
-        ids_of: list[np.ndarray] = [None] * len(queries)  # type: ignore[list-item]
-        mask_of: list[np.ndarray] = [None] * len(queries)  # type: ignore[list-item]
+        got = []
         for members in groups.values():
             corpus = queries[members[0]].corpus
             self._flush(corpus)
             corpus.synchronize()
-            ids, mask = corpus.batch_get([queries[i].state for i in members], [queries[i].context for i in members],
-                                         [queries[i].total for i in members])
-            for j, i in enumerate(members):
-                ids_of[i], mask_of[i] = ids[j * d:(j + 1) * d], mask[j * d * d:(j + 1) * d * d]
-        tokens = np.stack(ids_of).tolist()  # [n, d]
-        m = np.stack(mask_of).reshape(len(queries), d, d).astype(bool)
-        order = np.arange(d)
-        ancestors = m & (order[None, None, :] < order[None, :, None])
-        parents = np.where(ancestors.any(-1), (ancestors * order).argmax(-1), -1).tolist()
+            got.append(corpus.batch_get([queries[i].state for i in members], [queries[i].context for i in members],
+                                        [queries[i].total for i in members]))
+        if len(got) == 1:  # one corpus (the usual case): its answers are in query order already
+            ids, mask = got[0]
+        else:
+            order = np.argsort(np.concatenate([np.asarray(m) for m in groups.values()]), kind="stable")
+            ids = np.concatenate([g[0].reshape(-1, d) for g in got])[order]
+            mask = np.concatenate([g[1].reshape(-1, d * d) for g in got])[order]
+        n = len(queries)
+        tokens = ids.reshape(n, d).tolist()
+        m = mask.reshape(n, d, d)  # 0/1: row i's ancestors and itself
         depths = (m.sum(-1) - 1).tolist()
+        # the parent: the highest-numbered ancestor before the row (level order), -1 where there is none
+        parents = ((m * _ancestor_rank(d)).max(-1) - 1).tolist()
         out = []
         for tok, par, dep in zip(tokens, parents, depths):
             n = d
@@ -591,6 +595,13 @@ class NgramSource:
                 n -= 1  # tail, childless at depth 1, is dropped with it: one candidate less, nothing wrong)
             out.append((tok[:n], par[:n], dep[:n]))
         return out
+
+
+@functools.lru_cache(maxsize=8)
+def _ancestor_rank(d: int) -> np.ndarray:
+    """[d, d] int64: ``j + 1`` where column ``j`` lies before row ``i`` (a possible ancestor), else 0."""
+    j = np.arange(d)
+    return np.where(j[None, :] < j[:, None], j[None, :] + 1, 0)
 
 
 def _storable(token: int) -> bool:

@@ -15,6 +15,7 @@ pool slot, resolved into the next batch's ``spec_info.bonus_tokens``), as EAGLE'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -78,6 +79,14 @@ class VerifyTensors:
     tree_mask: torch.Tensor  # [bs, N, N]
 
 
+@functools.lru_cache(maxsize=64)
+def _verify_constants(bs: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row offsets [1, n], flat row index [bs, n]) of a verify pass of ``n`` rows per request: constants of the
+    shape, made once (never written)."""
+    rows = torch.arange(n, device=device)
+    return rows[None, :], torch.arange(bs, device=device)[:, None] * n + rows[None, :]
+
+
 def build_verify_input(tree, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
                        req_pool_indices: torch.Tensor, req_to_token: torch.Tensor) -> VerifyTensors:
     """The TARGET_VERIFY input for a batch of packed trees (``tree``: a ``DraftTree`` / ``DeviceTree``, [bs, N]).
@@ -91,10 +100,10 @@ def build_verify_input(tree, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
     parents = tree.parents.to(device)
     meta = glance_kernels.tree_meta(parents, seq_lens)  # Triton on CUDA, torch reference elsewhere
     custom_mask = glance_kernels.full_mask(meta.tree_mask, seq_lens, seq_lens_cpu)
-    cols = seq_lens.long()[:, None] + torch.arange(n, device=device)[None, :]
-    out_cache_loc = req_to_token[req_pool_indices.long()[:, None], cols].reshape(-1).to(torch.int64)
+    rows, retrieve_index = _verify_constants(bs, n, device)
+    out_cache_loc = req_to_token[req_pool_indices.long()[:, None], seq_lens.long()[:, None] + rows]
+    out_cache_loc = out_cache_loc.reshape(-1).to(torch.int64)
     tokens = tree.tokens.to(device).reshape(-1)
-    retrieve_index = (torch.arange(bs, device=device)[:, None] * n + torch.arange(n, device=device)[None, :])
     spec = GlanceVerifyInput(
         draft_token=tokens,
         custom_mask=custom_mask,

@@ -18,6 +18,7 @@ online.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -52,6 +53,26 @@ class BatchCostModel(CostModel):
         sizes = sorted(self.curves)
         at = [_interp(self.curves[b][0], self.curves[b][1], float(rows)) for b in sizes]
         return max(_interp(sizes, at, float(batch)), 0.0) * self.scale
+
+    def verify_ms_many(self, rows: list[int], batch: int = 1) -> list[float]:
+        """:meth:`verify_ms` at each of ``rows`` (the sizes ``Planner.choose`` weighs), with the batch size's two
+        bracketing curves and the scheduler's time found once instead of once per row count."""
+        if not self.curves:
+            return super().verify_ms_many(rows, batch)
+        sizes = sorted(self.curves)
+        step = self.scheduler_ms(batch)
+        if len(sizes) == 1:  # _interp's one-point rule: proportional to the batch size
+            (xs, ys), = self.curves.values()
+            f = max(float(batch), 1.0) / max(sizes[0], 1.0)
+            return [max(_interp(xs, ys, float(r)) * f, 0.0) * self.scale + step for r in rows]
+        i = min(max(bisect.bisect_left(sizes, float(batch)), 1), len(sizes) - 1)
+        (xa, ya), (xb, yb) = self.curves[sizes[i - 1]], self.curves[sizes[i]]
+        w = (float(batch) - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        out = []
+        for r in rows:
+            lo = _interp(xa, ya, float(r))
+            out.append(max(lo + (_interp(xb, yb, float(r)) - lo) * w, 0.0) * self.scale + step)
+        return out
 
     def scheduler_ms(self, batch: int = 1) -> float:
         if not self.step_ms:

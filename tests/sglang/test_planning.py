@@ -45,6 +45,25 @@ def test_batch_cost_model_interpolates_refines_and_round_trips(tmp_path, monkeyp
     assert again.curves == c.curves and again.step_ms == c.step_ms and again.draft_ms_at == c.draft_ms_at
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_cost_model_weighs_every_tree_size_as_it_weighs_one(seed):
+    """``verify_ms_many`` (one lookup of the batch's bracketing curves) equals ``verify_ms`` row count by row
+    count, with one curve or several, between, below and past the calibrated batch sizes."""
+    from glance_sgl.sglang.planning import BatchCostModel
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        c = BatchCostModel.prior()
+        for b in rng.sample([1, 2, 4, 8, 16, 32], rng.randint(1, 4)):
+            rows = sorted(rng.sample(range(1, 40), rng.randint(1, 6)))
+            c.add_curve(b, rows, [rng.uniform(1, 50) for _ in rows])
+        c.observe_step(rng.choice([1, 3, 8]), rng.uniform(0, 5))
+        c.scale = rng.uniform(0.5, 2.0)
+        for batch in (1, 3, 9, 40):
+            assert c.verify_ms_many(list(range(1, 33)), batch) == \
+                pytest.approx([c.verify_ms(r, batch) for r in range(1, 33)], rel=1e-12)
+
+
 def test_random_planner_mixes_ar_steps_and_every_tree_size():
     from glance_sgl.planner import RandomPlanner
     from glance_sgl.sglang.planning import BatchCostModel, make_planner
