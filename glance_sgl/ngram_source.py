@@ -495,7 +495,7 @@ class NgramSource:
                 ranks = trie.rescore(logs[context], SOURCE_NGRAM, in_order=True)
                 if label:
                     self._pend(self._requests[rids[b]], trie, ranks, context)
-            packed.append(trie.best_first(budgets[b] - 1))
+            packed.append(trie.first(budgets[b] - 1))  # = best_first: in-order scores never increase
         return pack_trees(packed, device)
 
     def context(self, rid: Hashable) -> int:

@@ -301,14 +301,12 @@ class CandidateTrie:
         """Rows 1.. of one packed tree (row 0 is the root; every parent row before its children). Padding rows
         (tag ``SOURCE_NONE``), rows deeper than ``max_depth`` and their descendants are left out."""
         node_of = [0] + [-1] * (len(tokens) - 1)
+        add, depths, top = self.add, self.depths, len(tokens) if max_depth is None else max_depth
         for r in range(1, len(tokens)):
             p = parents[r]
-            if tags[r] == SOURCE_NONE or p < 0 or p >= r or node_of[p] < 0:
+            if tags[r] == SOURCE_NONE or p < 0 or p >= r or node_of[p] < 0 or depths[node_of[p]] >= top:
                 continue
-            parent = node_of[p]
-            if max_depth is not None and self.depths[parent] >= max_depth:
-                continue
-            node_of[r] = self.add(parent, tokens[r], scores[r], tags[r])
+            node_of[r] = add(node_of[p], tokens[r], scores[r], tags[r])
 
     def rescore(self, log_table: Sequence[Sequence[float]], tag: int, in_order: bool = False) -> list[int]:
         """Scores of every node tagged ``tag`` alone (e.g. n-gram nodes, which carry no probabilities) from a
@@ -338,6 +336,13 @@ class CandidateTrie:
             elif score > self.scores[node]:
                 self.scores[node] = score
         return ranks
+
+    def first(self, nodes: int) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
+        """The first ``nodes`` nodes in creation order, packed like :meth:`best_first`: the same rows wherever
+        scores never increase in creation order (a trie of one source's nodes after ``rescore(in_order=True)``),
+        without the frontier heap (node i is row i)."""
+        k = min(nodes, len(self.tokens) - 1) + 1
+        return self.tokens[:k], self.parents[:k], self.depths[:k], self.scores[:k], self.tags[:k]
 
     def best_first(self, nodes: int) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
         """The best ``nodes`` nodes (fewer if the trie is smaller) packed as rows ``[root] + nodes``: tokens,

@@ -5,6 +5,7 @@ of the sources' paths, best-first under one budget), per-source acceptance, and 
 from __future__ import annotations
 
 import itertools
+import math
 
 import random
 
@@ -469,6 +470,20 @@ def test_rescore_in_order_keeps_the_sources_proposal_order():
     assert tokens == [0, 1, 2, 3] and parents == [-1, 0, 1, 2]
     assert all(a >= b for a, b in zip(scores[1:], scores[2:]))
     assert ordered.best_first(5)[0] == [0, 1, 2, 3, 4, 9]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_first_nodes_of_an_in_order_trie_are_its_best_first_rows(seed):
+    """After ``rescore(in_order=True)`` of a trie of one source's nodes, the first n nodes in creation order are
+    ``best_first(n)``'s rows (what the n-gram source packs without the heap)."""
+    rng = random.Random(seed)
+    table = [[0.0, 0.0]] + [[math.log(rng.uniform(0.05, 1.0)), math.log(rng.uniform(0.01, 0.5))] for _ in range(9)]
+    trie = CandidateTrie(0)
+    for _ in range(40):
+        trie.add(rng.randrange(len(trie)), rng.randrange(6), 0.0, SOURCE_NGRAM)
+    trie.rescore(table, SOURCE_NGRAM, in_order=True)
+    for n in (0, 1, 5, 17, len(trie) - 1, len(trie) + 3):
+        assert trie.first(n) == trie.best_first(n)
 
 
 @pytest.mark.parametrize("seed", range(3))
