@@ -251,7 +251,8 @@ class EmbeddedBackend(Backend):
         the block's rows), in this thread at ``threads`` torch threads: the fastest of ``repeats`` runs. Neither
         mode reaches the planner or the n-gram corpus, so nothing is learned from runs at the wrong count."""
         torch.set_num_threads(threads)
-        prompt = self.engine.prepare(calibration_messages())
+        with self._prepare_lock:  # the backend's own processor, as requests are prepared
+            prompt = self.engine.prepare(calibration_messages(), self._processor)
         params = SamplingParams(max_tokens=16, temperature=0.0)
 
         def per_round(**kw) -> float:
