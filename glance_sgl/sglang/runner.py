@@ -20,6 +20,8 @@ import base64
 import io
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -233,6 +235,27 @@ def export_package(commit: str, dest: Path | None = None) -> Path:
     return dest
 
 
+_RENDEZVOUS_PORTS: set[int] = set()  # rendezvous ports handed to engines started from this process
+
+
+def rendezvous_port(low: int = 22000, high: int = 29999) -> int:
+    """A port for an engine's ``torch.distributed`` rendezvous (SGLang's ``nccl_port``): below the kernel's
+    ephemeral range (the engine's scheduler binds it later), free now, and not handed to another engine started
+    from this process. Left to SGLang, engines started together each pick one at random, and two of four picked
+    the same one once (``EADDRINUSE``: the parity tests' engines failed to start in CI)."""
+    for port in random.SystemRandom().sample(range(low, high + 1), 512):
+        if port in _RENDEZVOUS_PORTS:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _RENDEZVOUS_PORTS.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high} for an SGLang engine's rendezvous")
+
+
 class EngineProcess:
     """An ``sglang.Engine`` in a child process (``python -m glance_sgl.sglang.runner``). ``code_root``: a folder
     holding another ``glance_sgl`` (:func:`export_package`), which the child runs instead of this one (its working
@@ -241,6 +264,9 @@ class EngineProcess:
 
     def __init__(self, engine_kwargs: dict[str, Any], env: dict[str, str] | None = None, log_path=None,
                  timeout: float = 300.0, wait: bool = True, code_root: Path | None = None) -> None:
+        engine_kwargs = {**engine_kwargs}
+        if engine_kwargs.get("nccl_port") is None:
+            engine_kwargs["nccl_port"] = rendezvous_port()
         self.engine_kwargs, self.timeout = engine_kwargs, timeout
         child_env = dict(os.environ)
         child_env.setdefault("HF_HUB_OFFLINE", "1")

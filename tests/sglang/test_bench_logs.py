@@ -149,3 +149,16 @@ def test_a_method_may_run_at_an_earlier_commit(tmp_path, capsys):
         bench.main(["--methods", "none,glance#no-such-commit", "--prompts", "1", "--wild", "0",
                     "--concurrency", "1"])
     assert exit_.value.code == 2 and "no-such-commit" in capsys.readouterr().err
+
+
+def test_engines_started_together_get_distinct_free_rendezvous_ports():
+    """Each SGLang engine an ``EngineProcess`` starts gets its own rendezvous port (``nccl_port``), below the
+    ephemeral range and free when handed out; left to SGLang, engines started together could pick the same one."""
+    import socket
+
+    from glance_sgl.sglang.runner import rendezvous_port
+
+    ports = [rendezvous_port() for _ in range(64)]
+    assert len(set(ports)) == len(ports) and all(22000 <= p <= 29999 for p in ports)
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", ports[-1]))  # nothing holds it
