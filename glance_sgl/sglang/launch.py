@@ -18,6 +18,7 @@ that length (:func:`cpu_kv_tokens`), so the same model has one context length on
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -154,6 +155,28 @@ class SGLangServer:
         self.stop()
 
 
+_RENDEZVOUS_PORTS: set[int] = set()  # rendezvous ports handed to engines started from this process
+
+
+def rendezvous_port(low: int = 22000, high: int = 29999) -> int:
+    """A port for an engine's ``torch.distributed`` rendezvous (SGLang's ``nccl_port``): below the kernel's
+    ephemeral range (the engine's scheduler binds it later), free now, and not handed to another engine started
+    from this process (``EngineProcess``, :func:`launch_sglang`). Left to SGLang, engines started together each
+    pick one at random, and two of four picked the same one once (``EADDRINUSE``: the parity tests' engines failed
+    to start in CI)."""
+    for port in random.SystemRandom().sample(range(low, high + 1), 512):
+        if port in _RENDEZVOUS_PORTS:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _RENDEZVOUS_PORTS.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high} for an SGLang engine's rendezvous")
+
+
 def launch_sglang(model: str | Path, drafter: str | Path | None = None, port: int = 30000, *,
                   host: str = "127.0.0.1", cpu: bool = False, extra_args: Sequence[str] = (),
                   env: dict[str, str] | None = None, log_path: str | Path | None = None, wait: bool = True,
@@ -163,6 +186,8 @@ def launch_sglang(model: str | Path, drafter: str | Path | None = None, port: in
     scheduler's torch threads otherwise fight each other and everything else). The server's output goes to
     ``log_path`` (appended with ``append_log``, e.g. by a supervisor's restarts), else nowhere."""
     cmd = server_command(model, drafter, port, host, cpu, extra_args)
+    if "--nccl-port" not in cmd:  # servers launched together must not race for one rendezvous port
+        cmd += ["--nccl-port", str(rendezvous_port())]
     child_env = dict(os.environ)
     child_env.setdefault("HF_HUB_OFFLINE", "1")
     child_env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -177,4 +202,4 @@ def launch_sglang(model: str | Path, drafter: str | Path | None = None, port: in
 
 
 __all__ = ["SGLangServer", "cpu_kv_tokens", "cpu_server_args", "free_port", "launch_sglang", "model_context_length",
-           "server_command"]
+           "rendezvous_port", "server_command"]

@@ -20,13 +20,13 @@ import base64
 import io
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .launch import rendezvous_port
 
 
 def cpu_engine_kwargs(model: str | Path, drafter: str | Path | None = None, algorithm: str | None = "GLANCE",
@@ -233,27 +233,6 @@ def export_package(commit: str, dest: Path | None = None) -> Path:
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(dest, filter="data")
     return dest
-
-
-_RENDEZVOUS_PORTS: set[int] = set()  # rendezvous ports handed to engines started from this process
-
-
-def rendezvous_port(low: int = 22000, high: int = 29999) -> int:
-    """A port for an engine's ``torch.distributed`` rendezvous (SGLang's ``nccl_port``): below the kernel's
-    ephemeral range (the engine's scheduler binds it later), free now, and not handed to another engine started
-    from this process. Left to SGLang, engines started together each pick one at random, and two of four picked
-    the same one once (``EADDRINUSE``: the parity tests' engines failed to start in CI)."""
-    for port in random.SystemRandom().sample(range(low, high + 1), 512):
-        if port in _RENDEZVOUS_PORTS:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        _RENDEZVOUS_PORTS.add(port)
-        return port
-    raise RuntimeError(f"no free port in {low}-{high} for an SGLang engine's rendezvous")
 
 
 class EngineProcess:

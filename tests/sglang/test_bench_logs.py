@@ -156,7 +156,7 @@ def test_engines_started_together_get_distinct_free_rendezvous_ports():
     ephemeral range and free when handed out; left to SGLang, engines started together could pick the same one."""
     import socket
 
-    from glance_sgl.sglang.runner import rendezvous_port
+    from glance_sgl.sglang.launch import rendezvous_port
 
     ports = [rendezvous_port() for _ in range(64)]
     assert len(set(ports)) == len(ports) and all(22000 <= p <= 29999 for p in ports)
