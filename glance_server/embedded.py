@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from glance_sgl.engine import GenerationResult, GlanceEngine, RequestError, SamplingParams
-from glance_sgl.target import TargetError
+from glance_sgl.target import PreparedPrompt, TargetError
 
 from .config import ServerConfig
 from .errors import APIError, bad_request
@@ -236,7 +236,9 @@ class EmbeddedBackend(Backend):
         if not self.config.calibrate or default <= 1 or self.engine.target.device.type != "cpu":
             return
         try:
-            timed = {n: self._decode_cost(n) for n in (default, 1)}
+            with self._prepare_lock:  # the backend's own processor, as requests are prepared
+                prompt = self.engine.prepare(calibration_messages(), self._processor)
+            timed = {n: self._decode_cost(prompt, n) for n in (default, 1)}
         except Exception:  # keep torch's count; the calibration that follows reports what fails
             log.exception("timing the engine thread's torch threads failed")
             torch.set_num_threads(default)
@@ -246,22 +248,20 @@ class EmbeddedBackend(Backend):
         log.info("engine thread: %d torch threads (ms per AR + chain round: %s)", self.threads,
                  ", ".join(f"{n} threads {ms:.2f}" for n, ms in timed.items()))
 
-    def _decode_cost(self, threads: int, repeats: int = 2) -> float:
+    def _decode_cost(self, prompt: PreparedPrompt, threads: int, repeats: int = 2) -> float:
         """Milliseconds of an AR round plus, with a drafter, a drafter-chain round (drafter pass and a verify of
-        the block's rows), in this thread at ``threads`` torch threads: the fastest of ``repeats`` runs. Neither
-        mode reaches the planner or the n-gram corpus, so nothing is learned from runs at the wrong count."""
+        the block's rows) of ``prompt``, in this thread at ``threads`` torch threads: the fastest of ``repeats``
+        runs. Neither mode reaches the planner or the n-gram corpus, so nothing is learned from runs at the wrong
+        count."""
         torch.set_num_threads(threads)
-        with self._prepare_lock:  # the backend's own processor, as requests are prepared
-            prompt = self.engine.prepare(calibration_messages(), self._processor)
         params = SamplingParams(max_tokens=16, temperature=0.0)
 
-        def per_round(**kw) -> float:
-            m = self.engine.generate(prompt, params, **kw).metrics
+        def per_round(mode: str) -> float:
+            m = self.engine.generate(prompt, params, mode=mode).metrics
             return m.decode_ms / max(m.rounds, 1)
 
-        runs = [("ar", None)] + ([("chain", ("drafter",))] if self.engine.drafter is not None else [])
-        return sum(min(per_round(mode=mode, draft_sources=src) if src else per_round(mode=mode)
-                       for _ in range(repeats)) for mode, src in runs)
+        modes = ["ar"] + (["chain"] if self.engine.drafter is not None else [])
+        return sum(min(per_round(mode) for _ in range(repeats)) for mode in modes)
 
     def _calibrate(self) -> None:
         messages = calibration_messages()
