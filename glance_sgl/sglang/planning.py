@@ -50,29 +50,32 @@ class BatchCostModel(CostModel):
         """The target's pass alone (ms) over ``rows`` rows for each of ``batch`` requests."""
         if not self.curves:
             return super().verify_ms(rows, batch)
-        sizes = sorted(self.curves)
-        at = [_interp(self.curves[b][0], self.curves[b][1], float(rows)) for b in sizes]
-        return max(_interp(sizes, at, float(batch)), 0.0) * self.scale
+        return self._pass_ms_many([rows], batch)[0]
 
-    def verify_ms_many(self, rows: list[int], batch: int = 1) -> list[float]:
-        """:meth:`verify_ms` at each of ``rows`` (the sizes ``Planner.choose`` weighs), with the batch size's two
-        bracketing curves and the scheduler's time found once instead of once per row count."""
-        if not self.curves:
-            return super().verify_ms_many(rows, batch)
+    def _pass_ms_many(self, rows: list[int], batch: int) -> list[float]:
+        """:meth:`pass_ms` at each of ``rows``: the batch size's two bracketing curves (linear in the batch size
+        between them, extrapolated past the ends; one curve: proportional to the batch size) found once."""
         sizes = sorted(self.curves)
-        step = self.scheduler_ms(batch)
-        if len(sizes) == 1:  # _interp's one-point rule: proportional to the batch size
+        if len(sizes) == 1:  # _interp's one-point rule
             (xs, ys), = self.curves.values()
             f = max(float(batch), 1.0) / max(sizes[0], 1.0)
-            return [max(_interp(xs, ys, float(r)) * f, 0.0) * self.scale + step for r in rows]
+            return [max(_interp(xs, ys, float(r)) * f, 0.0) * self.scale for r in rows]
         i = min(max(bisect.bisect_left(sizes, float(batch)), 1), len(sizes) - 1)
         (xa, ya), (xb, yb) = self.curves[sizes[i - 1]], self.curves[sizes[i]]
         w = (float(batch) - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
         out = []
         for r in rows:
             lo = _interp(xa, ya, float(r))
-            out.append(max(lo + (_interp(xb, yb, float(r)) - lo) * w, 0.0) * self.scale + step)
+            out.append(max(lo + (_interp(xb, yb, float(r)) - lo) * w, 0.0) * self.scale)
         return out
+
+    def verify_ms_many(self, rows: list[int], batch: int = 1) -> list[float]:
+        """:meth:`verify_ms` at each of ``rows`` (the sizes ``Planner.choose`` weighs), with the batch's curves and
+        the scheduler's time found once instead of once per row count."""
+        if not self.curves:
+            return super().verify_ms_many(rows, batch)
+        step = self.scheduler_ms(batch)
+        return [ms + step for ms in self._pass_ms_many(rows, batch)]
 
     def scheduler_ms(self, batch: int = 1) -> float:
         if not self.step_ms:
