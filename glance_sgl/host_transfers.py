@@ -11,6 +11,10 @@ calls themselves are counted, as the ones that would be. Also ``Tensor.to`` with
 not on the CPU (a ``.to`` of a CPU tensor is a no-op, so device-agnostic ``x.to(y.device)`` code reads zero on the
 CPU; ``x.cpu()`` always counts). ``len(tensor)`` is not a transfer (the shape lives on the host).
 
+Host copies: code that works on tensors that live on the host whatever the device (a tree the round read back
+once, an n-gram lookup's result, a statistics table) runs under :func:`on_host`: reads of CPU tensors there are not
+counted (on a CPU device they would be indistinguishable from device reads), reads of any other device still are.
+
 Not seen: syncs without a tensor method on this list (``nonzero``, boolean-mask indexing, ``torch.unique``, ...)
 and reads inside other Python-level torch functions. On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` catches
 every sync.
@@ -18,6 +22,7 @@ every sync.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +44,7 @@ class HostTransferCounter(TorchFunctionMode):
         super().__init__()
         self.calls: Counter[str] = Counter()
         self._paused = False
+        self._host_data = False  # on_host(): CPU tensors are host copies, not device data
 
     @property
     def total(self) -> int:
@@ -53,9 +59,20 @@ class HostTransferCounter(TorchFunctionMode):
         finally:
             self._paused = before
 
+    @contextmanager
+    def host_copies(self) -> Iterator[None]:
+        """Reads of CPU tensors inside are not counted: they are host copies (see :func:`on_host`)."""
+        self._host_data, before = True, self._host_data
+        try:
+            yield
+        finally:
+            self._host_data = before
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self._paused:
+        host_copy = self._host_data and bool(args) and isinstance(args[0], torch.Tensor) and \
+            args[0].device.type == "cpu"
+        if not self._paused and not host_copy:
             if func in HOST_READS:
                 self.calls[func.__name__] += 1
             elif func is torch.Tensor.to and _to_host(args[0], args[1:], kwargs):
@@ -69,8 +86,29 @@ def _to_host(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     return device is not None and device.type == "cpu" and tensor.device.type != "cpu"
 
 
+_ACTIVE: list[HostTransferCounter] = []  # the counters counting now, innermost last
+
+
 @contextmanager
 def count_host_transfers() -> Iterator[HostTransferCounter]:
     """``with count_host_transfers() as counter: ...`` then read ``counter.total`` / ``counter.calls``."""
     with HostTransferCounter() as counter:
-        yield counter
+        _ACTIVE.append(counter)
+        try:
+            yield counter
+        finally:
+            _ACTIVE.remove(counter)
+
+
+@contextmanager
+def on_host() -> Iterator[None]:
+    """Marks code that reads host copies: CPU tensors read inside are not counted by an active counter (a no-op
+    where none counts). Only for tensors that are on the host on every device; a device tensor read inside is
+    still counted."""
+    if not _ACTIVE:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for counter in _ACTIVE:
+            stack.enter_context(counter.host_copies())
+        yield

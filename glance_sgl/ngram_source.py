@@ -713,9 +713,8 @@ class NgramCandidates:
         if self.source.available and rid not in self.source:
             self.source.add_request(rid, prompt, self.keys.get(rid))
 
-    def _sync(self, batch: Any) -> None:
+    def _sync(self, batch: Any, roots: list[int]) -> None:
         src = self.source
-        roots = batch.roots.tolist()
         tokens = getattr(batch, "tokens", None)
         for b, rid in enumerate(batch.rids):
             known = rid in src
@@ -737,19 +736,20 @@ class NgramCandidates:
                 src._requests[rid].lead = lead
 
     def propose(self, batch: Any, rows: int | Sequence[int]) -> DraftTree:
-        """Candidate trees [bs, <= rows] tagged ``SOURCE_NGRAM`` on ``batch.roots``' device (``rows``: one budget,
-        or one per request; 1: the root alone, no lookup)."""
+        """Candidate trees [bs, <= rows] tagged ``SOURCE_NGRAM``, on the host (``rows``: one budget, or one per
+        request; 1: the root alone, no lookup)."""
+        roots = _host_roots(batch)
         if self.source.available:
-            self._sync(batch)
-        return self.source.propose(batch.rids, rows, self.acceptance, roots=batch.roots.tolist(),
-                                   device=batch.roots.device, strict=False)
+            self._sync(batch, roots)
+        return self.source.propose(batch.rids, rows, self.acceptance, roots=roots, device=torch.device("cpu"),
+                                   strict=False)
 
     def commit(self, batch: Any, taps: torch.Tensor, walk: Any) -> None:
         """Feeds each request's committed tokens (``walk.committed()``) to its own corpus (``taps`` unused)."""
         if not self.source.available:
             return
-        self._sync(batch)
-        roots = batch.roots.tolist()
+        roots = _host_roots(batch)
+        self._sync(batch, roots)
         self.source.commit_many([(rid, tokens) for b, (rid, tokens) in enumerate(zip(batch.rids, walk.committed()))
                                  if rid in self.source and self.source.root(rid) == roots[b]])
 
@@ -757,3 +757,10 @@ class NgramCandidates:
         """``rid`` ended: see ``NgramSource.finish``."""
         self.keys.pop(rid, None)
         self.source.finish(rid, publish)
+
+
+def _host_roots(batch: Any) -> list[int]:
+    """A round batch's roots as a host list (``RoundBatch.host_roots``: read once per round, or handed over by the
+    engine; a batch without it: read)."""
+    host_roots = getattr(batch, "host_roots", None)
+    return host_roots() if host_roots is not None else [int(t) for t in batch.roots.tolist()]

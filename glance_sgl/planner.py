@@ -357,10 +357,9 @@ class DepthCalibration:
     round at factor 1). Node i's acceptance probability is then ``exp(score_i) * prod_{d <= depth_i} factor[d]``.
     """
 
-    def __init__(self, max_depth: int, decay: float = 0.995, prior: float = 1.0, host_lists: bool = True) -> None:
+    def __init__(self, max_depth: int, decay: float = 0.995, prior: float = 1.0) -> None:
         self.max_depth = max_depth
         self.decay = decay
-        self.host_lists = host_lists  # False: a device-resident step, whose trees and walks never come to the host
         self.predicted = torch.full((max_depth + 1,), prior, dtype=torch.float64)
         self.hits = torch.full((max_depth + 1,), prior, dtype=torch.float64)
         self._log_cumulative: tuple[tuple[int, ...], torch.Tensor] | None = None
@@ -395,11 +394,9 @@ class DepthCalibration:
         """One verified batch of trees ([B, R] each; ``accepted_rows`` [B, >=1] with -1 padding, [B] lengths).
         ``counted`` (bool [B, R]): the drafter's own nodes of a merged tree (the others' scores are not the
         drafter's): only they count, a depth is a hit where the walk took one of them; None: every node.
-        Host tensors of a small batch (the embedded engine) take :meth:`_observe_host`: the same sums in a few list
-        passes instead of some twenty tiny tensor ops (about 0.1 ms of a round on 2 cores), unless ``host_lists`` is
-        off (a device-resident step on a CPU device reads nothing back either)."""
-        on_host = self.host_lists and all(t.device.type == "cpu"
-                                          for t in (parents, scores, depths, accepted_rows, accept_lens))
+        Host tensors of a small batch (the round's host copies) take :meth:`_observe_host`: the same sums in a few
+        list passes instead of some twenty tiny tensor ops (about 0.1 ms of a round on 2 cores)."""
+        on_host = all(t.device.type == "cpu" for t in (parents, scores, depths, accepted_rows, accept_lens))
         if on_host and self.predicted.device.type == "cpu" and parents.shape[0] <= HOST_OBSERVE_MAX_BATCH:
             self._observe_host(parents, scores, depths, accepted_rows, accept_lens, counted)
             return
@@ -677,7 +674,6 @@ class Planner:
     # 3.26; geomean decode speedup 2.67x vs 2.79x, one interleaved run, 20 prompts per task)
     size_margin: float = 1.0
     row_menu: list[int] | None = None
-    host_statistics: bool = True  # False: a device-resident step (no host reads): DepthCalibration's tensor path
     depth: DepthCalibration = field(init=False)
     gains: list[EntropyTable] = field(init=False)  # the drafter's gain by lead entropy, one per RIVAL_EDGES bin
     requests: dict[object, RequestPlanState] = field(default_factory=dict)
@@ -702,7 +698,7 @@ class Planner:
         if self.mode not in PLANNER_MODES:
             raise ValueError(f"planner must be one of {PLANNER_MODES}, got {self.mode!r}")
         self.fixed_nodes = self.max_nodes if self.fixed_nodes is None else min(self.fixed_nodes, self.max_nodes)
-        self.depth = DepthCalibration(self.max_depth, host_lists=self.host_statistics)
+        self.depth = DepthCalibration(self.max_depth)
         self.gains = [EntropyTable(self.max_depth) for _ in range(len(RIVAL_EDGES) + 1)]
         self.acceptance = SourceAcceptance(max_depth=max(self.max_depth, 1))
 
@@ -939,7 +935,8 @@ class Planner:
             curve = 1.0 + raw * ratio[:, None]
         else:
             curve = 1.0 + raw
-        # one host read: every request's expected tokens and raw acceptance at every budget [2, bs, limit + 1]
+        # every request's expected tokens and raw acceptance at every budget [2, bs, limit + 1], as lists (the
+        # round plans on host copies of the candidates: not a device read)
         curve_host, raw_host = torch.stack([curve, raw.to(curve.dtype)]).tolist()
         per_n = [sum(col) for col in zip(*curve_host)]  # [limit + 1]: the batch's expected tokens for budget n
         if self.mode == "fixed":
@@ -965,7 +962,7 @@ class Planner:
         only = None
         if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1:
             # per source and depth, from trees that hold other sources' nodes (the drafter's own trees calibrate
-            # ``depth``; skipping them keeps a device-resident step free of host reads)
+            # ``depth``)
             only = self.acceptance.observe(report.tree, report.walk.accepted_rows)
         if report.cheap_ms is not None:
             self.cheap_ms = report.cheap_ms if self.cheap_ms is None else \
@@ -1167,7 +1164,7 @@ class RandomPlanner(Planner):
         if drafter_ran:
             for r in rids:
                 self.state(r).last_nodes = n
-        raw_host = raw.tolist()  # one host read, as Planner.choose's
+        raw_host = raw.tolist()  # as Planner.choose's: lists of the host copy's numbers
         return Plan(n, [1.0 + float(a) for a in raw_host], drafted=drafter_ran, raw_accept=raw_host)
 
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
 
+from .host_transfers import on_host
 from .metrics import entropy_tensor
 from .planner import CostModel, Plan, RoundReport, calibrate
 from .tree import SOURCE_DRAFTER, SOURCE_NONE, DraftTree, accepted_alone, merge_trees
@@ -66,7 +67,8 @@ class RoundBatch:
     ``rids``: planner keys, one per request; ``roots`` [bs] long: each request's newest committed token (the root
     of its tree); ``next_index`` [bs] long: the output index of the token after the root (the sampling noise's
     counter); ``specs``: each request's sampling; ``tokens``: each request's tokens so far (prompt + output), for
-    sources that match on them (None where no source needs them).
+    sources that match on them (None where no source needs them); ``roots_host``: the roots as a host list where
+    the engine knows them without reading the device (else :meth:`host_roots` reads them once).
     """
 
     rids: Sequence[Hashable]
@@ -74,6 +76,13 @@ class RoundBatch:
     next_index: torch.Tensor
     specs: Sequence[SamplingSpec]
     tokens: Sequence[Sequence[int]] | None = None
+    roots_host: list[int] | None = None
+
+    def host_roots(self) -> list[int]:
+        """``roots`` as a host list (read once per round, where the engine did not hand them over)."""
+        if self.roots_host is None:
+            self.roots_host = [int(t) for t in self.roots.tolist()]
+        return self.roots_host
 
     @property
     def size(self) -> int:
@@ -194,23 +203,6 @@ def lead_rows(logits: torch.Tensor, walk: WalkResult) -> torch.Tensor:
     return logits[torch.arange(logits.shape[0], device=dev), last]
 
 
-def round_numbers(walk: WalkResult, lead: torch.Tensor | None, alone: torch.Tensor | None = None
-                  ) -> tuple[list[int], list[float] | None, list[int] | None]:
-    """What the planner learns from a round, read to the host at once (one read, wherever the walk ran): accepted
-    nodes per request, the lead entropies (nats) of ``lead`` [bs, V] (None: none wanted, None returned) and, where
-    given, ``alone`` [bs] (what the round without the drafter would have accepted,
-    ``glance_sgl.tree.accepted_alone``)."""
-    accepted = walk.accept_lens
-    if lead is None and alone is None:
-        return [int(a) for a in accepted.tolist()], None, None
-    h = entropy_tensor(lead) if lead is not None else None
-    dev, dtype = (h.device, h.dtype) if h is not None else (accepted.device, torch.float32)
-    rows = [accepted.to(dev, dtype)] + ([] if h is None else [h]) + ([] if alone is None else [alone.to(dev, dtype)])
-    host = torch.stack(rows).tolist()
-    return ([int(a) for a in host[0]], None if h is None else host[1],
-            None if alone is None else [int(a) for a in host[-1]])
-
-
 def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int | Sequence[int],
             max_depth: int | None = None) -> DraftTree:
     """The candidates of every active source in one best-first tree of at most ``rows`` rows per request (several
@@ -244,6 +236,11 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     known, before the KV keep and the sources' writes (SGLang's overlap scheduler publishes the new lengths
     there). Timings (wall ms) go to the planner in its report: the sources' time (gate included), the target
     pass's, and the rest (choice, walk, keep, feeding the sources).
+
+    The planner works on host copies: the sources without a model pass propose on the host, the drafter's tree
+    is read back once after its pass (``DraftTree.host_copy``) and merged there, and the round's outcome is read
+    back once after the walk (``WalkResult.host_copy``, the lead entropies in the same read). So a round reads the
+    device at most twice, whatever the batch, the tree and the sources (``glance_sgl.host_transfers``).
     """
     t0 = time.perf_counter()
     drafters = [s for s in sources if s.source_id == SOURCE_DRAFTER] if planner.speculates else []
@@ -253,32 +250,38 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     #    rounds they add nothing to), and their best round is planned: the round to beat
     looks = planner.cheap_rows(batch.rids, rows) if cheap else []
     looked = sum(1 for n in looks if n > 1)
-    fallback = propose(cheap, batch, looks, max_depth) if looked else None
-    alternative = None if fallback is None else planner.choose(batch.rids, fallback.scores, fallback.depths,
-                                                               fallback.sources, drafter_ran=False)
+    with on_host():
+        fallback = propose(cheap, batch, looks, max_depth) if looked else None
+        alternative = None if fallback is None else planner.choose(batch.rids, fallback.scores, fallback.depths,
+                                                                   fallback.sources, drafter_ran=False)
     cheap_s = time.perf_counter() - t0
     # 2. gate: does the drafter's pass pay for this batch now, over that round? (every rank takes rank 0's answer)
     drafting = bool(drafters) and bool(target.agree(int(planner.gate(batch.rids, alternative))))
     keeps_leads = True  # whether the planner keeps this round's lead entropies (a drafting round's: always)
     if drafting:
-        # 3. the drafter's candidates merged with the others, and how many rows of them to verify
+        # 3. the drafter's candidates (read back once) merged with the others, and how many rows of them to verify
         trees = [d.propose(batch, rows) for d in drafters]
+        hosts = [t.host_copy() for t in trees]
         tm = time.perf_counter()
         if fallback is not None:  # the matches of the requests where they are worth rows next to the drafter's
-            trees.append(only_requests(fallback, planner.merge_worth(batch.rids, alternative)))
-        candidates = one_tree(trees, rows, max_depth)
-        t1 = time.perf_counter()
+            hosts.append(only_requests(fallback, planner.merge_worth(batch.rids, alternative)))
+        with on_host():
+            planned = one_tree(hosts, rows, max_depth)
+            t1 = time.perf_counter()
+            plan = planner.choose(batch.rids, planned.scores, planned.depths, planned.sources, True)
         cheap_s += t1 - tm if fallback is not None else 0.0
-        plan = planner.choose(batch.rids, candidates.scores, candidates.depths, candidates.sources, True)
+        candidates = trees[0] if len(hosts) == 1 else planned  # unmerged: the drafter's tree where it lies
     else:
         t1 = time.perf_counter()
         skipped = planner.skip(batch.rids, alternative)  # the drafter's record: a round without it
         keeps_leads = skipped.keeps_leads and bool(drafters)  # without a drafter no gate reads a lead
         candidates, plan = ((None, skipped) if alternative is None else
                             (fallback, dataclasses.replace(alternative, keeps_leads=keeps_leads)))
+        planned = candidates
     # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs (the root alone: an AR step)
     active = candidates is not None
-    tree = candidates.prefix(target.agree(target.width(plan.nodes + 1))) if active else root_tree(batch.roots)
+    width = target.agree(target.width(plan.nodes + 1)) if active else 1
+    tree = candidates.prefix(width).to(batch.roots.device) if active else root_tree(batch.roots)
     t2 = time.perf_counter()
     # 5. one target pass over every request's tree
     out = target.forward(tree)
@@ -288,26 +291,34 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
                        max_depth=min(max_depth, tree.num_rows - 1), device_resident=device_resident)
     if on_walk is not None:
         on_walk(walk)
-    # 7. keep the root's and the accepted rows' K/V, 8. feed every source what was committed
+    # 7. keep the root's and the accepted rows' K/V, 8. feed the drafter what was committed (device work, queued
+    #    before the read), read the outcome back, feed the other sources from it
     if tree.num_rows > 1:
         target.keep(tree, walk)
     for source in sources:
-        source.commit(batch, out.taps, walk)
-    # what the round the drafter had to beat would have accepted on its own (its share of this round's tokens)
-    rival = drafting and alternative is not None and alternative.nodes > 0
-    ta = time.perf_counter()
-    alone = accepted_alone(fallback.prefix(alternative.nodes + 1), walk.committed_tokens) if rival else None
-    cheap_s += time.perf_counter() - ta if rival else 0.0
+        if source.source_id == SOURCE_DRAFTER:
+            source.commit(batch, out.taps, walk)
     lead_logits = lead_rows(out.logits, walk) if drafting or keeps_leads else None
-    accepted, lead, alone_host = round_numbers(walk, lead_logits, alone)
-    t4 = time.perf_counter()
-    # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
-    report = RoundReport(batch.rids, plan, tree.num_rows, accepted, tree if active else None,
-                         walk if active else None, lead, drafter_ms=1000.0 * (t1 - t0),
-                         pass_ms=1000.0 * (t3 - t2), host_ms=1000.0 * ((t2 - t1) + (t4 - t3)),
-                         alternative=alternative if rival else None, alone=alone_host,
-                         cheap_ms=1000.0 * cheap_s / looked if looked else None)
-    planner.report(report)
+    host_walk, lead = walk.host_copy(None if lead_logits is None else entropy_tensor(lead_logits))
+    with on_host():
+        for source in sources:
+            if source.source_id != SOURCE_DRAFTER:
+                source.commit(batch, out.taps, walk)
+        # what the round the drafter had to beat would have accepted on its own (its share of this round's tokens)
+        rival = drafting and alternative is not None and alternative.nodes > 0
+        ta = time.perf_counter()
+        alone = accepted_alone(fallback.prefix(alternative.nodes + 1), host_walk.committed_tokens).tolist() \
+            if rival else None
+        cheap_s += time.perf_counter() - ta if rival else 0.0
+        accepted = host_walk.accept_lens.tolist()
+        t4 = time.perf_counter()
+        # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
+        report = RoundReport(batch.rids, plan, tree.num_rows, accepted, planned.prefix(width) if active else None,
+                             host_walk if active else None, None if lead is None else lead.tolist(),
+                             drafter_ms=1000.0 * (t1 - t0), pass_ms=1000.0 * (t3 - t2),
+                             host_ms=1000.0 * ((t2 - t1) + (t4 - t3)), alternative=alternative if rival else None,
+                             alone=alone, cheap_ms=1000.0 * cheap_s / looked if looked else None)
+        planner.report(report)
     return RoundResult(tree, walk, plan, out, report, time.perf_counter())
 
 
@@ -333,5 +344,5 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
 
 __all__ = ["DRAFT_SOURCES", "DEFAULT_DRAFT_SOURCES", "check_draft_sources",
            "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
-           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "round_numbers", "propose",
+           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose",
            "one_tree", "only_requests"]

@@ -76,6 +76,27 @@ class DraftTree:
         return DraftTree(self.tokens[:, :rows], self.parents[:, :rows], self.depths[:, :rows], self.scores[:, :rows],
                          sources)
 
+    def to(self, device: torch.device | str) -> "DraftTree":
+        """The tree on ``device`` (itself where it is there already)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return DraftTree(*(None if t is None else t.to(device) for t in
+                           (self.tokens, self.parents, self.depths, self.scores, self.sources)))
+
+    def host_copy(self) -> "DraftTree":
+        """The tree on the host in one device-to-host read (its fields stacked). A CPU tree is its own host copy;
+        it still makes the one read call (a no-op there), so a CPU device counts the reads a GPU makes."""
+        if self.tokens.device.type == "cpu":
+            self.tokens.cpu()
+            return self
+        return self._copy_to_host()
+
+    def _copy_to_host(self) -> "DraftTree":
+        fields = [self.tokens, self.parents, self.depths, self.scores] + ([] if self.sources is None else [self.sources])
+        host = torch.stack([f.to(torch.float64) for f in fields]).cpu()  # ids < 2**53: exact in float64
+        tok, par, dep, sco, *tag = host.unbind(0)
+        return DraftTree(tok.long(), par.long(), dep.long(), sco.float(), tag[0].long() if tag else None)
+
     def source_tags(self) -> torch.Tensor:
         """[B, N+1] long source tags: ``sources``, or for an untagged (drafter) tree ``SOURCE_DRAFTER`` on every
         node and ``SOURCE_NONE`` at the root."""

@@ -16,7 +16,7 @@ holding the logits; with the walk's tensor path (``device_walk``) a verify step 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -188,11 +188,36 @@ class WalkResult:
     accept_lens: torch.Tensor
     bonus: torch.Tensor
     committed_tokens: torch.Tensor
+    host: "WalkResult | None" = field(default=None, repr=False, compare=False)  # its host copy, once read
+
+    def host_copy(self, extra: torch.Tensor | None = None) -> tuple["WalkResult", torch.Tensor | None]:
+        """The walk on the host in one device-to-host read, kept as ``host`` (later ``committed()`` calls read
+        that), with ``extra`` [B] (e.g. the lead entropies) in the same read. Returns (host walk, host extra). A CPU
+        walk is its own host copy; it still makes the one read call (a no-op there), so a CPU device counts the
+        reads a GPU makes."""
+        dev = self.accept_lens.device
+        if dev.type == "cpu" and (extra is None or extra.device.type == "cpu"):
+            self.accept_lens.cpu()
+            return self, extra
+        return self._copy_to_host(extra)
+
+    def _copy_to_host(self, extra: torch.Tensor | None) -> tuple["WalkResult", torch.Tensor | None]:
+        dev = self.accept_lens.device
+        cols = [self.accepted_rows, self.committed_tokens, self.accept_lens[:, None], self.bonus[:, None]]
+        if extra is not None:
+            cols.append(extra.to(dev)[:, None])
+        host = torch.cat([c.to(torch.float64) for c in cols], 1).cpu()  # ids < 2**53: exact in float64
+        a, c = self.accepted_rows.shape[1], self.committed_tokens.shape[1]
+        ints = host[:, : a + c + 2].long()
+        self.host = WalkResult(ints[:, :a], ints[:, a + c], ints[:, a + c + 1], ints[:, a: a + c])
+        return self.host, None if extra is None else host[:, -1]
 
     def committed(self) -> list[list[int]]:
-        """Tokens committed per request as host lists (two copies): the accepted drafted tokens, then the bonus."""
-        lens = self.accept_lens.tolist()
-        return [row[: n + 1] for row, n in zip(self.committed_tokens.tolist(), lens)]
+        """Tokens committed per request as host lists: the accepted drafted tokens, then the bonus (from the host
+        copy where ``host_copy`` made one; else two reads)."""
+        walk = self if self.host is None else self.host
+        lens = walk.accept_lens.tolist()
+        return [row[: n + 1] for row, n in zip(walk.committed_tokens.tolist(), lens)]
 
 
 # CPU tensors: the host-list walk up to this batch size, the tensor walk above. Median us per walk, R = 32 rows

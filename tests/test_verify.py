@@ -419,3 +419,45 @@ def test_cuda_matches_cpu():
     want = verify_tree(tokens, parents, depths, logits, next_index, specs, max_depth=8)
     assert_same_walk(want, WalkResult(*(t.cpu() for t in (walk.accepted_rows, walk.accept_lens, walk.bonus,
                                                           walk.committed_tokens))))
+
+
+def test_reads_of_host_copies_are_not_counted_and_device_reads_still_are():
+    from glance_sgl.host_transfers import on_host
+
+    host, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    with on_host():  # no counter: a no-op
+        host.tolist()
+    with count_host_transfers() as counter:
+        host.tolist()
+        with on_host():
+            host.tolist(), host.cpu(), float(host[0])
+            with pytest.raises(NotImplementedError):  # a meta tensor has no data, but the read was seen
+                meta.to("cpu")
+        host[0].item()
+    assert counter.calls == {"tolist": 1, "to": 1, "item": 1}
+
+
+def test_a_walks_host_copy_is_one_exact_read():
+    from glance_sgl.tree import DraftTree
+
+    big = (1 << 19) + 12345  # token ids far above float32's exact range of a sum, exact in the copy
+    walk = WalkResult(accepted_rows=torch.tensor([[0, 3, -1], [0, -1, -1]]), accept_lens=torch.tensor([1, 0]),
+                      bonus=torch.tensor([big, 7]), committed_tokens=torch.tensor([[big - 1, big, -1], [7, -1, -1]]))
+    lead = torch.tensor([0.25, 1.5])
+    with count_host_transfers() as counter:
+        same, same_lead = walk.host_copy(lead)  # a CPU walk is its own copy; the read call is still made
+    assert same is walk and same_lead is lead and counter.total == 1
+    with count_host_transfers() as counter:
+        copy, lead_host = walk._copy_to_host(lead)  # what a device walk does
+    assert counter.total == 1 and walk.host is copy
+    for name in ("accepted_rows", "accept_lens", "bonus", "committed_tokens"):
+        assert getattr(copy, name).dtype == torch.long and torch.equal(getattr(copy, name), getattr(walk, name))
+    assert lead_host.tolist() == [0.25, 1.5] and walk.committed() == [[big - 1, big], [7]]
+    tree = DraftTree(torch.tensor([[5, big]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
+                     torch.tensor([[0.0, -0.7]]), torch.tensor([[0, 3]]))
+    with count_host_transfers() as counter:
+        t = tree._copy_to_host()
+    assert counter.total == 1 and torch.equal(t.tokens, tree.tokens) and torch.equal(t.sources, tree.sources)
+    assert torch.equal(t.scores, tree.scores) and t.scores.dtype == torch.float32 and t.tokens.dtype == torch.long
+    untagged = DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores)
+    assert untagged._copy_to_host().sources is None and untagged.host_copy() is untagged

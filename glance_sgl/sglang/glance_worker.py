@@ -158,6 +158,7 @@ class GlanceWorker(BaseSpecWorker):
         self.device_step = self.settings.device_step(self.device_is_cuda)
         self._count_reads = self.settings.count_host_reads
         self._last_rows = 0
+        self._last_kind = "ar"
         self._calibrated_now = False
         self._counter = None  # the host-read counter of the step being counted
         self.planner_mode, seed = self.settings.planner, self.settings.planner_seed
@@ -168,8 +169,7 @@ class GlanceWorker(BaseSpecWorker):
                        *([] if self.settings.draft_sources == ("drafter",) else [self.settings.draft_sources]))
         cached = load_batch_costs(key)
         costs = cached if cached is not None else BatchCostModel.prior(key)
-        self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed,
-                                    device_step=self.device_step)
+        self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed)
         self.stats = StepStats(self._profile)
         # n-gram candidates (GLANCE_DRAFT_SOURCES=...,ngram): SGLang's NgramCorpus over each request's prompt, its
         # committed output and recent answers, one source per worker, proposed every step beside the drafter's tree
@@ -383,6 +383,18 @@ class GlanceWorker(BaseSpecWorker):
         with self._counter.paused() if self._counter is not None else contextlib.nullcontext():
             return [int(x) for x in batch.seq_lens_cpu.tolist()]
 
+    def _host_roots(self, batch: ScheduleBatch, seq_lens_cpu: list[int], roots: torch.Tensor,
+                    next_index: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Each request's root and committed output count on the host. Without overlap scheduling SGLang's host
+        state is current (``req.output_ids`` ends in the root, its length the committed count ``seq_len - prompt
+        + 1``): no device read. Where it lags (overlap), both are read from the device at once."""
+        reqs = batch.reqs
+        committed = [s - len(req.origin_input_ids) + 1 for s, req in zip(seq_lens_cpu, reqs)]
+        if all(len(req.output_ids) == c for req, c in zip(reqs, committed)):
+            return [int(req.output_ids[-1]) for req in reqs], committed
+        roots_host, committed = torch.stack([roots, next_index.to(roots.dtype)]).tolist()
+        return roots_host, committed
+
     def _next_index(self, batch: ScheduleBatch) -> torch.Tensor:
         """[bs] long: each request's output index of the token after its root (the sampling noise's counter):
         the committed output tokens, ``seq_lens - prompt + 1`` (the root's K/V is not in the cache yet). From the
@@ -478,8 +490,8 @@ class GlanceWorker(BaseSpecWorker):
             finally:
                 self._counter = None
         if not self._calibrated_now:  # a calibration step runs many passes: not a decode step's count
-            logger.warning("GLANCE host reads bs=%d rows=%d: %d %s", len(batch.reqs), self._last_rows,
-                           counter.total, dict(sorted(counter.calls.items())))
+            logger.warning("GLANCE host reads bs=%d rows=%d: %d %s kind=%s", len(batch.reqs), self._last_rows,
+                           counter.total, dict(sorted(counter.calls.items())), self._last_kind)
         return out
 
     def _decode_step(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
@@ -491,11 +503,11 @@ class GlanceWorker(BaseSpecWorker):
         seq_lens_cpu = self._host_seq_lens(batch)
         roots = self._roots(batch)
         next_index = self._next_index(batch)
-        tokens = None
-        if self.ngram is not None:  # the n-gram source's host corpus: roots and counts read back at once
-            roots_host, committed = torch.stack([roots, next_index.to(roots.dtype)]).tolist()
+        tokens = roots_host = None
+        if self.ngram is not None:  # the n-gram source's host corpus
+            roots_host, committed = self._host_roots(batch, seq_lens_cpu, roots, next_index)
             tokens = _RequestTokens(batch.reqs, self._vocab, roots_host, committed)
-        rounds = RoundBatch(rids, roots, next_index, [sampling_spec(req) for req in batch.reqs], tokens)
+        rounds = RoundBatch(rids, roots, next_index, [sampling_spec(req) for req in batch.reqs], tokens, roots_host)
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
         source = PoolDrafter(self, batch, seq_lens_cpu)
         sources = [source] if "drafter" in self.draft_sources else []
@@ -551,6 +563,11 @@ class GlanceWorker(BaseSpecWorker):
         rows = r.tree.num_rows if r.drafted or r.tree.num_rows > 1 else 0  # n-gram rows without the drafter too
         self.stats.record(r.report.batch, rows)
         self._last_rows = rows
+        # the step's kind: an AR step, n-gram candidates only, the drafter's tree, or both merged
+        if r.drafted:
+            self._last_kind = "drafter" if r.tree.sources is None else "merged"
+        else:
+            self._last_kind = "ngram" if r.tree.num_rows > 1 else "ar"
         if self._profile:
             rep = r.report
             logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s",

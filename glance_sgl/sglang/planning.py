@@ -188,13 +188,11 @@ def load_batch_costs(key: str) -> BatchCostModel | None:
 
 
 # ---------------------------------------------------------------------------------------------- policies
-def make_planner(mode: str, costs: CostModel, max_nodes: int, max_depth: int, seed: int = 0,
-                 device_step: bool = False) -> Planner:
-    """The worker's planner for ``mode`` (``WorkerSettings.planner``: ``GLANCE_PLANNER``); ``device_step``: the
-    step stays on the device, so the planner's statistics never read the trees back."""
+def make_planner(mode: str, costs: CostModel, max_nodes: int, max_depth: int, seed: int = 0) -> Planner:
+    """The worker's planner for ``mode`` (``WorkerSettings.planner``: ``GLANCE_PLANNER``)."""
     if mode == "random":
-        return RandomPlanner(costs, max_nodes, max_depth, mode="auto", seed=seed, host_statistics=not device_step)
-    return Planner(costs, max_nodes, max_depth, mode=mode, host_statistics=not device_step)
+        return RandomPlanner(costs, max_nodes, max_depth, mode="auto", seed=seed)
+    return Planner(costs, max_nodes, max_depth, mode=mode)
 
 
 __all__ = ["BatchCostModel", "load_batch_costs", "make_planner"]

@@ -10,9 +10,10 @@ make requests leave and re-enter mid-generation, re-prefilled from the cache.
 
 The same engine runs the device-resident decode step on the CPU (``GLANCE_SGL_DEVICE_STEP=1``: tree by
 ``glance_kernels.budget_tree``, walk and seeded sampling by ``glance_sgl.verify``'s tensor path, commits and draft
-K/V writes as tensor ops), under the random test planner (``GLANCE_PLANNER=random``: every tree size and plain AR
-steps), and counts every decode step's host reads (``GLANCE_SGL_COUNT_HOST_READS=1``, ``glance_sgl.host_transfers``;
-SGLang's own target forward is not counted): a few per step, the same at every batch and tree size; that the
+K/V writes as tensor ops), under the random test planner (``GLANCE_PLANNER=random``: every tree size, plain AR
+steps, n-gram-only, drafter-only and merged steps: the default sources), and counts every decode step's host reads
+(``GLANCE_SGL_COUNT_HOST_READS=1``, ``glance_sgl.host_transfers``; SGLang's own target forward is not counted): at
+most two per step, the same for each step kind at every batch and tree size; that the
 tensor walk reads nothing at any vocabulary is ``tests/test_verify.py``'s. Its drafter pass runs at the static,
 bucketed shapes a CUDA graph replays (``GLANCE_SGL_STATIC_DRAFT=1``: ``draft_graph.DraftPassRunner``, eagerly).
 """
@@ -33,8 +34,11 @@ MAX_TOKENS = 16
 SYSTEM = "You are a careful assistant. Look at the picture before you answer."
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 RETRACT = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"}
-HOST_READS = re.compile(r"GLANCE host reads bs=(\d+) rows=(\d+): (\d+) ")
-READS_BOUND = 2  # device reads per decode step: the planner's numbers (1 for an AR step, 2 for a drafting one)
+HOST_READS = re.compile(r"GLANCE host reads bs=(\d+) rows=(\d+): (\d+) .* kind=(\w+)")
+# device reads per decode step: the drafter's tree (a drafting step) and the round's outcome; the n-gram source's
+# roots and committed tokens come from SGLang's host state and that outcome
+READS_BOUND = 2
+STEP_KINDS = {"ar", "ngram", "drafter", "merged"}
 SETTINGS = dict(chunked_prefill_size=48, max_total_tokens=2048, context_length=512, disable_radix_cache=False)
 
 
@@ -76,7 +80,6 @@ def run(checkpoints, tmp_path_factory):
     logs = tmp_path_factory.mktemp("radix_logs")
     env = {**STRICT, **RETRACT}
     device_step = {"GLANCE_SGL_DEVICE_STEP": "1", "GLANCE_SGL_COUNT_HOST_READS": "1", "GLANCE_PLANNER": "random:3",
-                   "GLANCE_DRAFT_SOURCES": "drafter",  # the device step's reads (the n-gram source reads its host corpus)
                    "GLANCE_SGL_STATIC_DRAFT": "1",  # the drafter pass at the CUDA-graph runner's static shapes
                    "GLANCE_COST_CACHE": str(logs / "costs")}
     glance = EngineProcess(cpu_engine_kwargs(target, drafter, **SETTINGS), env={**env, **device_step},
@@ -127,15 +130,16 @@ def test_the_cache_was_hit_requests_were_retracted_and_nothing_leaked(run):
     assert "drafter pass at static shapes up to batch 48 (eager)" in log  # GLANCE_SGL_STATIC_DRAFT=1 took effect
 
 
-def test_device_step_host_reads_are_few_and_independent_of_batch_and_tree_size(run):
-    counts = defaultdict(set)  # drafted? -> read counts seen
+def test_device_step_host_reads_are_few_and_independent_of_batch_tree_size_and_sources(run):
+    counts = defaultdict(set)  # step kind -> read counts seen
     seen_bs, seen_rows = set(), set()
     log = (run["logs"] / "glance.log").read_text()
-    for bs, rows, total in (map(int, m.groups()) for m in HOST_READS.finditer(log)):
-        counts[rows > 0].add(total)
+    for m in HOST_READS.finditer(log):
+        bs, rows, total = map(int, m.groups()[:3])
+        counts[m[4]].add(total)
         seen_bs.add(bs)
         seen_rows.add(rows)
     assert len(seen_bs) >= 3 and len(seen_rows) >= 5, (seen_bs, seen_rows)  # the step shapes did vary
-    assert counts[False] and counts[True]  # AR steps and drafting steps both ran
+    assert set(counts) == STEP_KINDS, dict(counts)  # AR, n-gram-only, drafter-only and merged steps all ran
     assert max(max(v) for v in counts.values()) <= READS_BOUND, dict(counts)
-    assert all(len(v) <= 2 for v in counts.values()), dict(counts)  # the same few reads whatever the shape
+    assert all(len(v) == 1 for v in counts.values()), dict(counts)  # the same reads whatever the shape
