@@ -100,15 +100,16 @@ def count_host_transfers() -> Iterator[HostTransferCounter]:
             _ACTIVE.remove(counter)
 
 
-@contextmanager
-def on_host() -> Iterator[None]:
-    """Marks code that reads host copies: CPU tensors read inside are not counted by an active counter (a no-op
-    where none counts). Only for tensors that are on the host on every device; a device tensor read inside is
-    still counted."""
+_NOTHING = contextlib.nullcontext()
+
+
+def on_host() -> contextlib.AbstractContextManager:
+    """Marks code that reads host copies: CPU tensors read inside are not counted by an active counter (where none
+    counts, the hot path: a shared no-op context). Only for tensors that are on the host on every device; a device
+    tensor read inside is still counted."""
     if not _ACTIVE:
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for counter in _ACTIVE:
-            stack.enter_context(counter.host_copies())
-        yield
+        return _NOTHING
+    stack = contextlib.ExitStack()
+    for counter in _ACTIVE:
+        stack.enter_context(counter.host_copies())
+    return stack
