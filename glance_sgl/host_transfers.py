@@ -50,23 +50,23 @@ class HostTransferCounter(TorchFunctionMode):
     def total(self) -> int:
         return sum(self.calls.values())
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager:
         """Reads inside are not counted (e.g. another component's code the bound is not about)."""
-        self._paused, before = True, self._paused
-        try:
-            yield
-        finally:
-            self._paused = before
+        return self._while("_paused")
+
+    def host_copies(self) -> contextlib.AbstractContextManager:
+        """Reads of CPU tensors inside are not counted: they are host copies (see :func:`on_host`)."""
+        return self._while("_host_data")
 
     @contextmanager
-    def host_copies(self) -> Iterator[None]:
-        """Reads of CPU tensors inside are not counted: they are host copies (see :func:`on_host`)."""
-        self._host_data, before = True, self._host_data
+    def _while(self, flag: str) -> Iterator[None]:
+        """``flag`` set inside, restored after."""
+        before = getattr(self, flag)
+        setattr(self, flag, True)
         try:
             yield
         finally:
-            self._host_data = before
+            setattr(self, flag, before)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
