@@ -383,22 +383,32 @@ class GlanceWorker(BaseSpecWorker):
         with self._counter.paused() if self._counter is not None else contextlib.nullcontext():
             return [int(x) for x in batch.seq_lens_cpu.tolist()]
 
-    def _host_roots(self, batch: ScheduleBatch, seq_lens_cpu: list[int], roots: torch.Tensor,
-                    next_index: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Each request's root and committed output count on the host. Without overlap scheduling SGLang's host
-        state is current (``req.output_ids`` ends in the root, its length the committed count ``seq_len - prompt
-        + 1``): no device read. Where it lags (overlap), both are read from the device at once."""
+    def _host_committed(self, batch: ScheduleBatch, seq_lens_cpu: list[int]) -> list[int] | None:
+        """Each request's committed output count, ``seq_len - prompt + 1`` (the root's K/V is not in the cache
+        yet), from SGLang's host state where it is current: scheduled synchronously, ``seq_lens_cpu`` and
+        ``req.output_ids`` (which then ends in the root) hold every committed token. None under overlap
+        scheduling, where the host state lags a step behind the device."""
+        if not self.server_args.disable_overlap_schedule:
+            return None
         reqs = batch.reqs
         committed = [s - len(req.origin_input_ids) + 1 for s, req in zip(seq_lens_cpu, reqs)]
-        if all(len(req.output_ids) == c for req, c in zip(reqs, committed)):
-            return [int(req.output_ids[-1]) for req in reqs], committed
+        return committed if all(len(req.output_ids) == c for req, c in zip(reqs, committed)) else None
+
+    def _host_roots(self, batch: ScheduleBatch, committed: list[int] | None, roots: torch.Tensor,
+                    next_index: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Each request's root and committed output count on the host: from SGLang's host state where it is
+        current (``committed``, :meth:`_host_committed`), no device read; else both read at once."""
+        if committed is not None:
+            return [int(req.output_ids[-1]) for req in batch.reqs], committed
         roots_host, committed = torch.stack([roots, next_index.to(roots.dtype)]).tolist()
         return roots_host, committed
 
-    def _next_index(self, batch: ScheduleBatch) -> torch.Tensor:
+    def _next_index(self, batch: ScheduleBatch, committed: list[int] | None) -> torch.Tensor:
         """[bs] long: each request's output index of the token after its root (the sampling noise's counter):
-        the committed output tokens, ``seq_lens - prompt + 1`` (the root's K/V is not in the cache yet). From the
-        lengths, not ``req.output_ids``, which lags a step behind under overlap scheduling."""
+        its committed output count, from the host state where it is current (``committed``), else from the
+        device's lengths (``seq_lens - prompt + 1``; ``req.output_ids`` lags a step behind under overlap)."""
+        if committed is not None:
+            return torch.tensor(committed, dtype=torch.long, device=self.device)
         prompt = torch.tensor([len(req.origin_input_ids) for req in batch.reqs], dtype=torch.long)
         return batch.seq_lens.long() - prompt.to(self.device, non_blocking=True) + 1
 
@@ -502,10 +512,11 @@ class GlanceWorker(BaseSpecWorker):
         seq_lens = batch.seq_lens
         seq_lens_cpu = self._host_seq_lens(batch)
         roots = self._roots(batch)
-        next_index = self._next_index(batch)
+        committed = self._host_committed(batch, seq_lens_cpu)
+        next_index = self._next_index(batch, committed)
         tokens = roots_host = None
         if self.ngram is not None:  # the n-gram source's host corpus
-            roots_host, committed = self._host_roots(batch, seq_lens_cpu, roots, next_index)
+            roots_host, committed = self._host_roots(batch, committed, roots, next_index)
             tokens = _RequestTokens(batch.reqs, self._vocab, roots_host, committed)
         rounds = RoundBatch(rids, roots, next_index, [sampling_spec(req) for req in batch.reqs], tokens, roots_host)
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
