@@ -67,7 +67,7 @@ def test_lossless_chain_and_widest_budget(arch, targets):
         got_chain = chain.generate(messages, params)
         assert got_chain.token_ids == reference, f"prompt {i}: chain differs"
         assert got_chain.metrics.drafted_tokens == got_chain.metrics.rounds * 5
-        if i % 5 == 0:  # the widest tree (1364 nodes) is slow-ish: every fifth prompt
+        if i % 10 == 0:  # the widest tree (1364 nodes, about 2 s a prompt on 2 cores): every tenth prompt
             got_wide = wide.generate(messages, params)
             assert got_wide.token_ids == reference, f"prompt {i}: widest budget differs"
             assert got_wide.metrics.drafted_tokens == got_wide.metrics.rounds * widest
