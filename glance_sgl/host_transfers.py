@@ -86,6 +86,20 @@ def _to_host(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     return device is not None and device.type == "cpu" and tensor.device.type != "cpu"
 
 
+def read_stacked(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` (each [B, ...], one device) on the host in one device-to-host read: flattened to [B, k], put side
+    by side as float64 (exact for token ids, which stay below 2**53, and for float32 values), read, split and given
+    back their shapes and dtypes."""
+    bs, dev = tensors[0].shape[0], tensors[0].device
+    flat = [t.to(dev, torch.float64).reshape(bs, -1) for t in tensors]
+    host = torch.cat(flat, 1).cpu()
+    out, at = [], 0
+    for t, f in zip(tensors, flat):
+        out.append(host[:, at:at + f.shape[1]].reshape(t.shape).to(t.dtype))
+        at += f.shape[1]
+    return out
+
+
 _ACTIVE: list[HostTransferCounter] = []  # the counters counting now, innermost last
 
 

@@ -243,8 +243,11 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     device at most twice, whatever the batch, the tree and the sources (``glance_sgl.host_transfers``).
     """
     t0 = time.perf_counter()
-    drafters = [s for s in sources if s.source_id == SOURCE_DRAFTER] if planner.speculates else []
-    cheap = [s for s in sources if s.source_id != SOURCE_DRAFTER] if planner.speculates else []
+    # sources with a model pass (the drafter) and without (n-gram matches); every one of them is fed each round
+    with_pass = [s for s in sources if s.source_id == SOURCE_DRAFTER]
+    without_pass = [s for s in sources if s.source_id != SOURCE_DRAFTER]
+    drafters = with_pass if planner.speculates else []
+    cheap = without_pass if planner.speculates else []
     rows = planner.max_nodes + 1
     # 1. the sources without a model pass propose first (host lookups, skipped for requests whose drafting
     #    rounds they add nothing to), and their best round is planned: the round to beat
@@ -295,15 +298,13 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     #    before the read), read the outcome back, feed the other sources from it
     if tree.num_rows > 1:
         target.keep(tree, walk)
-    for source in sources:
-        if source.source_id == SOURCE_DRAFTER:
-            source.commit(batch, out.taps, walk)
+    for source in with_pass:
+        source.commit(batch, out.taps, walk)
     lead_logits = lead_rows(out.logits, walk) if drafting or keeps_leads else None
     host_walk, lead = walk.host_copy(None if lead_logits is None else entropy_tensor(lead_logits))
     with on_host():
-        for source in sources:
-            if source.source_id != SOURCE_DRAFTER:
-                source.commit(batch, out.taps, walk)
+        for source in without_pass:
+            source.commit(batch, out.taps, walk)
         # what the round the drafter had to beat would have accepted on its own (its share of this round's tokens)
         rival = drafting and alternative is not None and alternative.nodes > 0
         ta = time.perf_counter()

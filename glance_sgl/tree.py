@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from .host_transfers import read_stacked
+
 # Source tags: a bitmask per node (a node proposed by several sources carries the OR of their bits).
 SOURCE_NONE = 0  # the root (row 0) and the padding rows of a merged batch (never proposed by any source)
 SOURCE_DRAFTER = 1  # the block drafter (every node of a tree whose ``sources`` is None)
@@ -93,9 +95,8 @@ class DraftTree:
 
     def _copy_to_host(self) -> "DraftTree":
         fields = [self.tokens, self.parents, self.depths, self.scores] + ([] if self.sources is None else [self.sources])
-        host = torch.stack([f.to(torch.float64) for f in fields]).cpu()  # ids < 2**53: exact in float64
-        tok, par, dep, sco, *tag = host.unbind(0)
-        return DraftTree(tok.long(), par.long(), dep.long(), sco.float(), tag[0].long() if tag else None)
+        tok, par, dep, sco, *tag = read_stacked(*fields)
+        return DraftTree(tok, par, dep, sco, tag[0] if tag else None)
 
     def source_tags(self) -> torch.Tensor:
         """[B, N+1] long source tags: ``sources``, or for an untagged (drafter) tree ``SOURCE_DRAFTER`` on every

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host_transfers import read_stacked
+
 _MASK32 = 0xFFFFFFFF
 # lowbias32 (C. Wellons' hash prospector). The second multiplier is applied as its negative 32-bit complement:
 # for 0 <= x < 2**32 both |x * m| stay below 2**63 (no int64 wrap-around) and the low 32 bits are the same.
@@ -202,15 +204,10 @@ class WalkResult:
         return self._copy_to_host(extra)
 
     def _copy_to_host(self, extra: torch.Tensor | None) -> tuple["WalkResult", torch.Tensor | None]:
-        dev = self.accept_lens.device
-        cols = [self.accepted_rows, self.committed_tokens, self.accept_lens[:, None], self.bonus[:, None]]
-        if extra is not None:
-            cols.append(extra.to(dev)[:, None])
-        host = torch.cat([c.to(torch.float64) for c in cols], 1).cpu()  # ids < 2**53: exact in float64
-        a, c = self.accepted_rows.shape[1], self.committed_tokens.shape[1]
-        ints = host[:, : a + c + 2].long()
-        self.host = WalkResult(ints[:, :a], ints[:, a + c], ints[:, a + c + 1], ints[:, a: a + c])
-        return self.host, None if extra is None else host[:, -1]
+        rows, lens, bonus, committed, *rest = read_stacked(self.accepted_rows, self.accept_lens, self.bonus,
+                                                           self.committed_tokens, *([] if extra is None else [extra]))
+        self.host = WalkResult(rows, lens, bonus, committed)
+        return self.host, rest[0] if rest else None
 
     def committed(self) -> list[list[int]]:
         """Tokens committed per request as host lists: the accepted drafted tokens, then the bonus (from the host
