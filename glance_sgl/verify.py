@@ -291,6 +291,15 @@ def device_walk(tokens: torch.Tensor, parents: torch.Tensor, choices: torch.Tens
                       committed_tokens=committed)
 
 
+@functools.lru_cache(maxsize=64)
+def _root_walk_constants(bs: int, depth: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted rows [bs, 1 + depth]: the root, then -1 padding; accept lengths [bs]: 0) of a root-only walk:
+    constants of the shape, made once (an AR step's host work is the cost of "never hurts"; never written)."""
+    rows = torch.full((bs, 1 + depth), -1, dtype=torch.long, device=device)
+    rows[:, 0] = 0
+    return rows, torch.zeros(bs, dtype=torch.long, device=device)
+
+
 def verify_tree(
     tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -312,13 +321,10 @@ def verify_tree(
     choices = target_choices(logits, depths, next_index, specs)
     depth = tokens.shape[1] - 1 if max_depth is None else max_depth
     if tokens.shape[1] == 1:  # the root alone (an AR step): nothing to walk, the choice is the bonus
-        if depth == 0:
-            return WalkResult(accepted_rows=torch.zeros_like(choices), accept_lens=choices.new_zeros(choices.shape[0]),
-                              bonus=choices[:, 0], committed_tokens=choices)
-        pad = (0, depth)
-        return WalkResult(accepted_rows=torch.nn.functional.pad(torch.zeros_like(choices), pad, value=-1),
-                          accept_lens=torch.zeros_like(choices[:, 0]), bonus=choices[:, 0],
-                          committed_tokens=torch.nn.functional.pad(choices, pad, value=-1))
+        accepted_rows, accept_lens = _root_walk_constants(choices.shape[0], depth, choices.device)
+        committed = choices if depth == 0 else torch.nn.functional.pad(choices, (0, depth), value=-1)
+        return WalkResult(accepted_rows=accepted_rows, accept_lens=accept_lens, bonus=choices[:, 0],
+                          committed_tokens=committed)
     if device_resident or logits.device.type != "cpu" or tokens.shape[0] > HOST_WALK_MAX_BATCH:
         return device_walk(tokens.to(logits.device), parents.to(logits.device), choices, depth)
     return greedy_walk(tokens, parents, choices, depth)

@@ -184,6 +184,8 @@ class GlanceWorker(BaseSpecWorker):
                 raise ValueError(ngram.reason)
             self.ngram = NgramCandidates(ngram, getattr(self.planner, "acceptance", None))
         self._last_round_end: float | None = None  # when the previous decode step's round ended (perf_counter s)
+        self._last_rids: list = []  # the previous decode batch's requests (its host state purged for the others)
+        self._sampling: dict[str, tuple[object, SamplingSpec]] = {}  # rid -> (its Req, its sampling): ``_specs``
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
                     "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
                     self.planner_mode, "cached" if cached is not None else "calibrated on the first batches")
@@ -239,6 +241,8 @@ class GlanceWorker(BaseSpecWorker):
             self.draft_pool.drop_pending()  # the draft K/V live in SGLang's slots: freeing the slots frees them
         for rid in self.planner.known():  # a flush happens with no request running
             self.planner.forget(rid)
+        self._sampling.clear()
+        self._last_rids = []
         if self.ngram is not None:
             for rid in self.ngram.source.request_ids():
                 self.ngram.finish(rid, publish=False)
@@ -246,7 +250,19 @@ class GlanceWorker(BaseSpecWorker):
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         self._forget(rid)
 
+    def _specs(self, reqs) -> list[SamplingSpec]:
+        """Each request's sampling (:func:`sampling_spec`), read once per request object: its sampling parameters
+        do not change while it runs (a new request under a reused id is another object, read again)."""
+        out = []
+        for req in reqs:
+            known = self._sampling.get(req.rid)
+            if known is None or known[0] is not req:
+                known = self._sampling[req.rid] = (req, sampling_spec(req))
+            out.append(known[1])
+        return out
+
     def _forget(self, rid: str) -> None:
+        self._sampling.pop(rid, None)
         self.planner.forget(rid)
         if self.ngram is not None:
             self.ngram.finish(rid)  # its answer stays in the cross-request corpus
@@ -273,8 +289,11 @@ class GlanceWorker(BaseSpecWorker):
         step's committed lengths are known (after the walk); ``grammar_barrier``: unused (GLANCE does not
         advance grammars inside the step: ``supports_grammar_overlap`` is False, so SGLang syncs them first)."""
         if batch.forward_mode.is_decode():
-            self._purge({req.rid for req in batch.reqs})  # not on a prefill: it holds the new requests only
-            return self._decode(batch, on_publish, pp_proxy_tensors)
+            rids = [req.rid for req in batch.reqs]
+            if rids != self._last_rids:  # purged where the requests changed since the last decode (or a prefill)
+                self._purge(set(rids))
+                self._last_rids = rids
+            return self._decode(batch, rids, on_publish, pp_proxy_tensors)
         return self._extend(batch, on_publish, pp_proxy_tensors)
 
     def _extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
@@ -283,6 +302,7 @@ class GlanceWorker(BaseSpecWorker):
             batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL)
         logits_output = result.logits_output
         self._last_round_end = None  # the next decode step's gap includes this prefill: not a scheduler cost
+        self._last_rids = []  # the next decode step purges: a request prefilled here may end before decoding
         if batch.forward_mode.is_extend() and bs > 0:
             hidden = logits_output.hidden_states
             self._feed_prompt(batch, None if hidden is None else self._taps(hidden))
@@ -489,14 +509,14 @@ class GlanceWorker(BaseSpecWorker):
         with graphs.use(tree.num_rows) if tree.num_rows in graphs.states else contextlib.nullcontext():
             return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
 
-    def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
+    def _decode(self, batch: ScheduleBatch, rids: list, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         if not self._count_reads:
-            return self._decode_step(batch, on_publish, pp_proxy_tensors)
+            return self._decode_step(batch, rids, on_publish, pp_proxy_tensors)
         self._calibrated_now = False
         with count_host_transfers() as counter:
             self._counter = counter
             try:
-                out = self._decode_step(batch, on_publish, pp_proxy_tensors)
+                out = self._decode_step(batch, rids, on_publish, pp_proxy_tensors)
             finally:
                 self._counter = None
         if not self._calibrated_now:  # a calibration step runs many passes: not a decode step's count
@@ -504,11 +524,11 @@ class GlanceWorker(BaseSpecWorker):
                            counter.total, dict(sorted(counter.calls.items())), self._last_kind)
         return out
 
-    def _decode_step(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
-        """One decode step: ``glance_sgl.round.speculative_round`` over the batch, through this worker's
-        adapters (:class:`SGLangRows`, :class:`PoolDrafter`), then SGLang's result."""
+    def _decode_step(self, batch: ScheduleBatch, rids: list, on_publish, pp_proxy_tensors
+                     ) -> GenerationBatchResult:
+        """One decode step: ``glance_sgl.round.speculative_round`` over the batch (``rids``: its requests' ids),
+        through this worker's adapters (:class:`SGLangRows`, :class:`PoolDrafter`), then SGLang's result."""
         bs = len(batch.reqs)
-        rids = [req.rid for req in batch.reqs]
         seq_lens = batch.seq_lens
         seq_lens_cpu = self._host_seq_lens(batch)
         roots = self._roots(batch)
@@ -518,7 +538,7 @@ class GlanceWorker(BaseSpecWorker):
         if self.ngram is not None:  # the n-gram source's host corpus
             roots_host, committed = self._host_roots(batch, committed, roots, next_index)
             tokens = _RequestTokens(batch.reqs, self._vocab, roots_host, committed)
-        rounds = RoundBatch(rids, roots, next_index, [sampling_spec(req) for req in batch.reqs], tokens, roots_host)
+        rounds = RoundBatch(rids, roots, next_index, self._specs(batch.reqs), tokens, roots_host)
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
         source = PoolDrafter(self, batch, seq_lens_cpu)
         sources = [source] if "drafter" in self.draft_sources else []
