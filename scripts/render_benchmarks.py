@@ -178,9 +178,12 @@ def _sglang_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
     """docs/benchmarks.md ``sglang``: ``python -m glance_sgl.sglang.bench --json``'s report."""
+    repeat = report.get("repeat", 1)
+    runs = (f" The scenarios after the first of each kind (they replay answers seen before) ran {repeat} times, "
+            f"pooled." if repeat > 1 else "")
     lines = [f"Made by {_provenance(run)}. Device {report['device']}, {report['prompts']} demo prompts and "
              f"{report['wild']} wild ones, up to {report['max_tokens']} new tokens, the bundled demo pair, radix "
-             f"cache on. Output tokens/s = completion tokens / wall time (prefill included); decode tok/s (at 1 in "
+             f"cache on.{runs} Output tokens/s = completion tokens / wall time (prefill included); decode tok/s (at 1 in "
              f"flight) leaves the prefill out.", ""]
     head, rows = _sglang_rows(report)
     lines += _table(head, rows)

@@ -52,6 +52,11 @@ wild pictures: no n-gram corpus holds the start of a measured answer). Scenarios
   latency of the same request with ``max_new_tokens=1``; decode tokens/s = (completion - 1) / that;
 - ``wild c=K``: noise and photo-like images of other sizes with generic prompts (``runner.wild_requests``).
 
+``--repeat N`` runs every scenario but the first of each kind (``demo c=1``, ``wild c=1``: the requests seen for the
+first time) N times, chunk by chunk, and pools the runs: the later scenarios replay answers every corpus holds
+already, so more runs of them measure the same thing with less noise (a scenario of 32 requests at 16 in flight is
+two chunks of about 0.3 s each).
+
 tau = (completion - 1) / verify steps, pooled (design §1; an AR step of the planner counts as a verify step of
 accept length 1). Outputs are compared token for token with the no-speculation run. ``--device cuda`` runs the
 same on a GPU (FlashInfer).
@@ -326,6 +331,18 @@ def warm_up_requests(model: Path, scenarios: dict[str, tuple[list[dict[str, Any]
     return [((spare if name.startswith("demo") else other)[: 2 * c], c) for name, (_, c) in scenarios.items()]
 
 
+def replay_repeats(scenarios: dict[str, tuple[list[dict[str, Any]], int]], repeat: int) -> dict[str, int]:
+    """Runs per scenario for ``--repeat``: the first scenario of each kind (``demo``, ``wild``: its requests seen for
+    the first time) once, every later one (replaying answers seen before) ``repeat`` times."""
+    seen: set[str] = set()
+    out = {}
+    for name in scenarios:
+        kind = name.split()[0]
+        out[name] = repeat if kind in seen else 1
+        seen.add(kind)
+    return out
+
+
 def _warm_up(eng: EngineProcess, warm: Warm) -> None:
     for reqs, c in warm:
         eng.generate([{**r, "max_tokens": 16} for r in reqs], concurrency=c)
@@ -333,10 +350,10 @@ def _warm_up(eng: EngineProcess, warm: Warm) -> None:
 
 def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[list[dict[str, Any]], int]],
                log_dir: Path | None, env: dict[str, str] | None = None, warm: Warm = (),
-               code_root: Path | None = None) -> dict[str, Any]:
+               code_root: Path | None = None, repeats: dict[str, int] | None = None) -> dict[str, Any]:
     """Every scenario (name -> (requests, requests in flight)) on one fresh engine, after ``warm``
-    (:func:`warm_up_requests`); ``demo c=1`` (if present) also gives decode tokens/s. An engine that fails gives a
-    row with ``error`` (and what it measured before)."""
+    (:func:`warm_up_requests`), ``repeats[name]`` times (default once; pooled); ``demo c=1`` (if present) also gives
+    decode tokens/s. An engine that fails gives a row with ``error`` (and what it measured before)."""
     log = (log_dir / f"{method}.log") if log_dir else None
     out: dict[str, Any] = {"method": method, "scenarios": {}}
     try:
@@ -344,7 +361,8 @@ def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[l
             out["startup_s"] = eng.startup_s
             _warm_up(eng, warm)
             for name, (reqs, c) in scenarios.items():
-                row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1")])
+                runs = (repeats or {}).get(name, 1)
+                row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1") for _ in range(runs)])
                 print(f"[bench] {method} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
                       file=sys.stderr, flush=True)
     except Exception as exc:  # one method's failure hides none of the others
@@ -355,11 +373,13 @@ def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[l
 
 def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs: dict[str, dict[str, str]],
                     scenarios: dict[str, tuple[list[dict[str, Any]], int]], log_dir: Path | None, warm: Warm = (),
-                    code_roots: dict[str, Path] | None = None) -> list[dict[str, Any]]:
+                    code_roots: dict[str, Path] | None = None,
+                    repeats: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """Every method's fresh engine alive at once; each scenario's requests in chunks (2 x in flight, at least
     4), every chunk run by every method in an order that rotates from chunk to chunk, so that a busy spell on a
-    shared machine hits all methods alike. An engine that fails to start (or dies) gives a row with ``error``;
-    the others go on. ``code_roots``: per method, another commit's package to run (``EngineProcess``)."""
+    shared machine hits all methods alike; a scenario's chunks ``repeats[name]`` times over (default once). An
+    engine that fails to start (or dies) gives a row with ``error``; the others go on. ``code_roots``: per method,
+    another commit's package to run (``EngineProcess``)."""
     rows = {m: {"method": m, "scenarios": {}} for m in methods}
     engines: dict[str, EngineProcess] = {}
 
@@ -389,7 +409,8 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
             size = max(2 * c, 4)
             live = [m for m in methods if m in engines]
             parts: dict[str, list] = {m: [] for m in live}
-            for k, i in enumerate(range(0, len(reqs), size)):
+            starts = list(range(0, len(reqs), size)) * (repeats or {}).get(name, 1)
+            for k, i in enumerate(starts):
                 order = live[k % len(live):] + live[: k % len(live)] if live else []
                 for m in order:
                     if m not in engines:
@@ -454,6 +475,7 @@ def _levels(text: str, flag: str, p: argparse.ArgumentParser) -> list[int]:
 
 def _report(args: argparse.Namespace, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
     return {"device": args.device, "prompts": args.prompts, "wild": args.wild, "max_tokens": args.max_tokens,
+            "repeat": args.repeat,
             "model": str(args.model), "drafter": str(args.drafter), "overlap": args.overlap, **extra,
             "methods": [{**r, "scenarios": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
                                             for k, v in r["scenarios"].items()}} for r in rows]}
@@ -521,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap", choices=["on", "off"], default=None,
                    help="the speculative engines (GLANCE, DFLASH, NGRAM) with SGLang's overlap scheduler on / off "
                         "(disable_overlap_schedule; default: the engine's choice, on the CPU off)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of every scenario but the first of each kind (those replay answers seen before), "
+                        "pooled (default 1)")
     p.add_argument("--json", type=Path, help="write the report here (rewritten after every method)")
     p.add_argument("--log-dir", type=Path, help="keep each engine's log here")
     p.add_argument("--step-stats", action="store_true",
@@ -543,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--methods: a method is named twice")
     if args.prompts < 1 or args.max_tokens < 1 or args.wild < 0:
         p.error("--prompts and --max-tokens must be >= 1, --wild >= 0")
+    if not 1 <= args.repeat <= 100:
+        p.error(f"--repeat must be in [1, 100], got {args.repeat}")
     for path, what in ((args.model, "--model"), (args.drafter, "--drafter")):
         if not (path / "config.json").is_file():
             p.error(f"{what} {path}: no config.json (build the demo with `glance demo build` or pass a directory)")
@@ -566,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         wild = wild_requests(args.model, args.wild, args.max_tokens)
         scenarios.update({f"wild c={c}": (wild, c) for c in _levels(args.wild_concurrency, "--wild-concurrency", p)})
     warm = warm_up_requests(args.model, scenarios, args.prompts, args.max_tokens)
+    repeats = replay_repeats(scenarios, args.repeat)
     kwargs = {m: engine_kwargs(m, args.model, args.drafter, args.device, args.ngram_draft_tokens,
                                args.glance_draft_tokens, not args.disable_cuda_graph, args.overlap) for m in methods}
     envs = {m: engine_env(m, stats, args.count_host_reads, args.overlap) for m in methods}
@@ -591,14 +619,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.interleave and runnable:
         print(f"[bench] {', '.join(runnable)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
               flush=True)
-        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir, warm, code_roots):
+        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir, warm, code_roots, repeats):
             _log_stats(args, r, stats)
             done[r["method"]] = r
     else:
         for m in runnable:
             print(f"[bench] {m}: starting SGLang ({args.device})", file=sys.stderr, flush=True)
             r = done[m] = run_method(m, kwargs[m], scenarios, args.log_dir, env=envs[m], warm=warm,
-                                     code_root=code_roots.get(m))
+                                     code_root=code_roots.get(m), repeats=repeats)
             _log_stats(args, r, stats)
             write(ordered())
     rows = ordered()

@@ -125,6 +125,19 @@ def test_warm_up_never_runs_a_measured_request():
     assert {r["text"] for r in warm[1][0]} <= {r["text"] for r in demo_requests(MODEL, 14, 8)[0][6:]}
 
 
+def test_repeat_runs_only_the_scenarios_that_replay_answers_and_is_bounded(capsys):
+    """``--repeat``: the first scenario of each kind (requests seen for the first time) runs once, the later ones
+    (replaying answers every corpus holds) N times; a bad count is a CLI error naming the flag."""
+    names = ["demo c=1", "demo c=4", "demo c=16", "wild c=1", "wild c=8"]
+    assert bench.replay_repeats(dict.fromkeys(names, ([], 1)), 3) == {
+        "demo c=1": 1, "demo c=4": 3, "demo c=16": 3, "wild c=1": 1, "wild c=8": 3}
+    assert bench.replay_repeats({"demo c=4": ([], 4), "demo c=1": ([], 1)}, 2) == {"demo c=4": 1, "demo c=1": 2}
+    for bad in ("0", "101"):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--repeat", bad, "--methods", "none"])
+        assert exc.value.code == 2 and "--repeat must be in [1, 100]" in capsys.readouterr().err
+
+
 def test_a_method_may_run_at_an_earlier_commit(tmp_path, capsys):
     """``glance#REV``: the method's engine runs the package of commit REV (before / after in one interleaved run);
     the export is that commit's tree, and a bad commit or folder is refused before any engine starts."""
