@@ -92,11 +92,14 @@ class RoundBatch:
 @dataclass
 class PassOutput:
     """The target pass over R rows per request: ``logits`` [bs, R, V] (on the device the walk runs on), ``taps``
-    [bs, R, L*H] (tap features, for the drafter's context), ``handle``: the engine's own result object."""
+    [bs, R, L*H] (tap features, for the drafter's context), ``handle``: the engine's own result object.
+    ``device_ms``: where the pass runs asynchronously (CUDA), its device time in ms, readable once the round's
+    outcome has been read back (the read waits for the pass); None: the pass returned when done (its wall time)."""
 
     logits: torch.Tensor
     taps: torch.Tensor
     handle: Any = None
+    device_ms: Callable[[], float] | None = None
 
 
 class TargetRows(Protocol):
@@ -313,11 +316,14 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         cheap_s += time.perf_counter() - ta if rival else 0.0
         accepted = host_walk.accept_lens.tolist()
         t4 = time.perf_counter()
-        # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it
+        # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it (an asynchronous
+        #    pass's device time is known now; the host work is the rest of the wall time from its launch)
+        pass_ms = 1000.0 * (t3 - t2) if out.device_ms is None else out.device_ms()
+        host_ms = max(1000.0 * ((t2 - t1) + (t4 - t2)) - pass_ms, 0.0)
         report = RoundReport(batch.rids, plan, tree.num_rows, accepted, planned.prefix(width) if active else None,
                              host_walk if active else None, None if lead is None else lead.tolist(),
-                             drafter_ms=1000.0 * (t1 - t0), pass_ms=1000.0 * (t3 - t2),
-                             host_ms=1000.0 * ((t2 - t1) + (t4 - t3)), alternative=alternative if rival else None,
+                             drafter_ms=1000.0 * (t1 - t0), pass_ms=pass_ms, host_ms=host_ms,
+                             alternative=alternative if rival else None,
                              alone=alone, cheap_ms=1000.0 * cheap_s / looked if looked else None)
         planner.report(report)
     return RoundResult(tree, walk, plan, out, report, time.perf_counter())

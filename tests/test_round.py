@@ -146,3 +146,45 @@ def test_planner_off_never_proposes_and_decodes_as_ar(engines):
         assert not r.drafted and r.tree.num_rows == 1
         committed += r.walk.committed()[0]
     assert committed[: len(ar)] == ar and source.proposed == 0
+
+
+class _AsyncTimedPass(CachePass):
+    """The embedded pass, reporting a device time of its own as an asynchronous (CUDA) pass does, and sleeping
+    ``lag_s`` in its forward (the wall time the host spends there)."""
+
+    def __init__(self, *args, device_ms: float, lag_s: float) -> None:
+        super().__init__(*args)
+        self.ms, self.lag_s, self.read = device_ms, lag_s, 0
+
+    def forward(self, tree):
+        import dataclasses
+        import time
+
+        time.sleep(self.lag_s)
+        out = super().forward(tree)
+
+        def device_ms() -> float:
+            self.read += 1
+            return self.ms
+
+        return dataclasses.replace(out, device_ms=device_ms)
+
+
+def test_an_asynchronous_pass_is_timed_by_its_device_time(engines):
+    """A pass that reports its device time (CUDA events, no synchronize after the pass) is timed by it once the
+    outcome is read: the report's pass ms is that time, its host ms the rest of the wall time from the launch."""
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    planner = RecordingPlanner(engine.cost_model(), engine.max_nodes, engine.block_size - 1, seed=3)
+    state, rows = target.prefill(target.prepare(make_prompts(1, seed=5)[0]), taps=taps)
+    source = CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k)
+    committed = [int(rows.logits[-1].argmax())]
+    planner.begin("r", entropy_nats(rows.logits[-1]))
+    for device_ms in (0.0, 7.5, 1e6):  # 1e6: more than the whole round's wall time: host time 0, not negative
+        timed = _AsyncTimedPass(target, state, taps, device_ms=device_ms, lag_s=0.01)
+        batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
+        r = speculative_round(batch, planner, [source], timed, max_depth=engine.block_size - 1)
+        committed += r.walk.committed()[0]
+        rep = planner.reports[-1]
+        assert timed.read == 1 and rep.pass_ms == device_ms
+        assert rep.host_ms >= (10.0 if device_ms == 0.0 else 0.0) and (device_ms < 1e6 or rep.host_ms == 0.0)

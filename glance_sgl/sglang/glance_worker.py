@@ -461,8 +461,6 @@ class GlanceWorker(BaseSpecWorker):
         logits = out.next_token_logits.view(bs, rows, -1)
         taps = self._taps(out.hidden_states).view(bs, rows, -1)
         out.hidden_states = None
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)  # the walk syncs right after anyway; this times the pass
         return result, logits, taps
 
     def _ar_pass(self, batch: ScheduleBatch, roots: torch.Tensor, pp_proxy_tensors):
@@ -492,8 +490,6 @@ class GlanceWorker(BaseSpecWorker):
         logits = out.next_token_logits.view(bs, 1, -1)
         taps = self._taps(out.hidden_states).view(bs, 1, -1)
         out.hidden_states = None
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
         return result, logits, taps
 
     def _pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
@@ -709,6 +705,26 @@ class _RequestTokens:
         return _in_vocab(self.reqs[b].origin_input_ids, self.vocab) + self.output(b)
 
 
+class _PassEvents:
+    """A CUDA pass's device time from two events on the current stream (recorded at creation and at :meth:`stop`),
+    instead of a ``torch.cuda.synchronize`` after the pass: the host goes on queueing the walk, the KV keep and the
+    drafter's writes while the pass runs, and reads the time after the round's outcome read (which waits for the
+    pass)."""
+
+    def __init__(self, device) -> None:
+        self.stream = torch.cuda.current_stream(device)
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record(self.stream)
+
+    def stop(self) -> None:
+        self.end.record(self.stream)
+
+    def ms(self) -> float:
+        self.end.synchronize()  # done already once the outcome was read: no wait
+        return float(self.start.elapsed_time(self.end))
+
+
 class SGLangRows:
     """The worker's target pass for ``glance_sgl.round`` (``TargetRows``), bound to one decode batch: SGLang's
     verify or AR forward (:meth:`GlanceWorker._pass`), the grammar mask, and ``compact_kv``."""
@@ -720,12 +736,15 @@ class SGLangRows:
         """The pass over ``tree`` [bs, R]: logits [bs, R, V] where SGLang left them (masked by each constrained
         request's grammar along every row's path), taps [bs, R, L*H], SGLang's result as the handle."""
         w = self.worker
+        timer = _PassEvents(w.device) if w.device_is_cuda else None
         # SGLang's forward (attention backend, sampler bookkeeping) is not this step's to bound
         with w._counter.paused() if w._counter is not None else contextlib.nullcontext():
             result, logits, taps = w._pass(self.batch, tree, self.seq_lens_cpu, self.pp_proxy_tensors)
+        if timer is not None:
+            timer.stop()
         if self.batch.has_grammar:  # constrained requests: each row's logits masked by the grammar along its path
             w._mask_grammar(self.batch, tree, logits)
-        return PassOutput(logits, taps, result)
+        return PassOutput(logits, taps, result, device_ms=None if timer is None else timer.ms)
 
     def keep(self, tree: DraftTree, walk: WalkResult) -> None:
         """The accepted rows' K/V to the front of each verify window (root first); nothing to move where every
