@@ -160,14 +160,23 @@ class RoundPolicy(Protocol):
 class RoundResult:
     """One round: the verified ``tree`` [bs, R], its ``walk``, the policy's ``plan``, the pass's output and the
     report the planner got (its ms fields are the round's timings); ``ended``: ``time.perf_counter()`` at the
-    report (an engine measures what happens between rounds from it)."""
+    report (an engine measures what happens between rounds from it). A round whose outcome is read later
+    (``speculative_round(defer_outcome=True)``) has no report until :meth:`settle`."""
 
     tree: DraftTree
     walk: WalkResult
     plan: Plan
     out: PassOutput
-    report: RoundReport
+    report: RoundReport | None
     ended: float
+    _settle: Callable[[], RoundReport] | None = None
+
+    def settle(self) -> RoundReport:
+        """Read the outcome back, feed the sources without a model pass and report to the planner, once (a no-op
+        where that happened in the round, or before). A deferred round's ``ended`` stays the end of its launch."""
+        if self.report is None:
+            self.report, self._settle = self._settle(), None
+        return self.report
 
     @property
     def drafted(self) -> bool:
@@ -231,14 +240,18 @@ def one_tree(trees: Sequence[DraftTree], rows: int | Sequence[int], max_depth: i
 
 def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence[CandidateSource],
                       target: TargetRows, *, max_depth: int, device_resident: bool = False,
-                      on_walk: Callable[[WalkResult], None] | None = None) -> RoundResult:
+                      on_walk: Callable[[WalkResult], None] | None = None,
+                      defer_outcome: bool = False) -> RoundResult:
     """One speculative round over ``batch``; returns what it verified and committed.
 
     ``max_depth``: the deepest node any source proposes (the walk's cap); ``device_resident``: the walk stays on
     the logits' device (``glance_sgl.verify.verify_tree``); ``on_walk``: called with the walk as soon as it is
     known, before the KV keep and the sources' writes (SGLang's overlap scheduler publishes the new lengths
     there). Timings (wall ms) go to the planner in its report: the sources' time (gate included), the target
-    pass's, and the rest (choice, walk, keep, feeding the sources).
+    pass's, and the rest (choice, walk, keep, feeding the sources). ``defer_outcome``: the round returns once its
+    device work is queued, without reading the outcome back; :meth:`RoundResult.settle` (before the next round
+    plans: SGLang's overlap scheduler, whose next step starts before this one's results are processed) reads it,
+    feeds the sources without a model pass and reports to the planner.
 
     The planner works on host copies: the sources without a model pass propose on the host, the drafter's tree
     is read back once after its pass (``DraftTree.host_copy``) and merged there, and the round's outcome is read
@@ -304,29 +317,45 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     for source in with_pass:
         source.commit(batch, out.taps, walk)
     lead_logits = lead_rows(out.logits, walk) if drafting or keeps_leads else None
-    host_walk, lead = walk.host_copy(None if lead_logits is None else entropy_tensor(lead_logits))
-    with on_host():
-        for source in without_pass:
-            source.commit(batch, out.taps, walk)
-        # what the round the drafter had to beat would have accepted on its own (its share of this round's tokens)
-        rival = drafting and alternative is not None and alternative.nodes > 0
-        ta = time.perf_counter()
-        alone = accepted_alone(fallback.prefix(alternative.nodes + 1), host_walk.committed_tokens).tolist() \
-            if rival else None
-        cheap_s += time.perf_counter() - ta if rival else 0.0
-        accepted = host_walk.accept_lens.tolist()
-        t4 = time.perf_counter()
-        # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it (an asynchronous
-        #    pass's device time is known now; the host work is the rest of the wall time from its launch)
-        pass_ms = 1000.0 * (t3 - t2) if out.device_ms is None else out.device_ms()
-        host_ms = max(1000.0 * ((t2 - t1) + (t4 - t2)) - pass_ms, 0.0)
-        report = RoundReport(batch.rids, plan, tree.num_rows, accepted, planned.prefix(width) if active else None,
-                             host_walk if active else None, None if lead is None else lead.tolist(),
-                             drafter_ms=1000.0 * (t1 - t0), pass_ms=pass_ms, host_ms=host_ms,
-                             alternative=alternative if rival else None,
-                             alone=alone, cheap_ms=1000.0 * cheap_s / looked if looked else None)
-        planner.report(report)
-    return RoundResult(tree, walk, plan, out, report, time.perf_counter())
+    lead_tensor = None if lead_logits is None else entropy_tensor(lead_logits)
+    launched = time.perf_counter()
+
+    def settle() -> RoundReport:
+        ts = time.perf_counter()
+        host_walk, lead = walk.host_copy(lead_tensor)
+        with on_host():
+            for source in without_pass:
+                source.commit(batch, out.taps, walk)
+            # what the round the drafter had to beat would have accepted on its own (its share of this round's
+            # tokens)
+            rival = drafting and alternative is not None and alternative.nodes > 0
+            ta = time.perf_counter()
+            alone = accepted_alone(fallback.prefix(alternative.nodes + 1), host_walk.committed_tokens).tolist() \
+                if rival else None
+            lookup_s = cheap_s + (time.perf_counter() - ta if rival else 0.0)
+            accepted = host_walk.accept_lens.tolist()
+            t4 = time.perf_counter()
+            # 9. observe: one report, the planner learns acceptance, lead entropies and costs from it (an
+            #    asynchronous pass's device time is known now; the host work is the rest of the wall time from its
+            #    launch; a deferred outcome's: the launch's work after the pass and the read's)
+            pass_ms = 1000.0 * (t3 - t2) if out.device_ms is None else out.device_ms()
+            if defer_outcome:
+                host_ms = 1000.0 * ((t2 - t1) + (launched - t3) + (t4 - ts))
+            else:
+                host_ms = max(1000.0 * ((t2 - t1) + (t4 - t2)) - pass_ms, 0.0)
+            report = RoundReport(batch.rids, plan, tree.num_rows, accepted,
+                                 planned.prefix(width) if active else None, host_walk if active else None,
+                                 None if lead is None else lead.tolist(), drafter_ms=1000.0 * (t1 - t0),
+                                 pass_ms=pass_ms, host_ms=host_ms, alternative=alternative if rival else None,
+                                 alone=alone, cheap_ms=1000.0 * lookup_s / looked if looked else None)
+            planner.report(report)
+        return report
+
+    result = RoundResult(tree, walk, plan, out, None, launched, settle)
+    if not defer_outcome:
+        result.settle()
+        result.ended = time.perf_counter()
+    return result
 
 
 def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batch: RoundBatch,

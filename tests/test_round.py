@@ -188,3 +188,39 @@ def test_an_asynchronous_pass_is_timed_by_its_device_time(engines):
         rep = planner.reports[-1]
         assert timed.read == 1 and rep.pass_ms == device_ms
         assert rep.host_ms >= (10.0 if device_ms == 0.0 else 0.0) and (device_ms < 1e6 or rep.host_ms == 0.0)
+
+
+def test_a_deferred_outcome_is_read_and_reported_when_settled(engines):
+    """``defer_outcome`` (SGLang's overlap scheduler): the round returns with its device work queued and no report;
+    settled before the next round plans, the rounds plan, report and commit exactly what in-round reads give
+    (same random planner seed, greedy output equal to AR)."""
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    messages = make_prompts(3, seed=8)[2]
+    ar = engine.generate(messages, SamplingParams(max_tokens=24), mode="ar").token_ids
+    runs = {}
+    for defer in (False, True):
+        planner = RecordingPlanner(engine.cost_model(), engine.max_nodes, engine.block_size - 1, seed=11)
+        state, rows = target.prefill(target.prepare(messages), taps=taps)
+        source = CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k)
+        committed = [int(rows.logits[-1].argmax())]
+        planner.begin("r", entropy_nats(rows.logits[-1]))
+        pending = None
+        while len(committed) < len(ar):
+            if pending is not None:  # the previous round's outcome, read where this one starts
+                report = pending.settle()
+                assert report is planner.reports[-1] and pending.settle() is report  # once
+                pending = None
+            batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]),
+                               [SamplingSpec()])
+            reports_before = len(planner.reports)
+            r = speculative_round(batch, planner, [source], CachePass(target, state, taps),
+                                  max_depth=engine.block_size - 1, defer_outcome=defer)
+            assert (r.report is None) == defer and len(planner.reports) == reports_before + (not defer)
+            committed += r.walk.committed()[0]
+            pending = r if defer else None
+        if pending is not None:
+            pending.settle()
+        runs[defer] = (committed[: len(ar)], [(p.rows, p.accepted, p.drafted) for p in planner.reports])
+    assert runs[False][0] == runs[True][0] == ar
+    assert runs[False][1] == runs[True][1]

@@ -185,6 +185,10 @@ class GlanceWorker(BaseSpecWorker):
             self.ngram = NgramCandidates(ngram, getattr(self.planner, "acceptance", None))
         self._last_round_end: float | None = None  # when the previous decode step's round ended (perf_counter s)
         self._last_rids: list = []  # the previous decode batch's requests (its host state purged for the others)
+        # under overlap scheduling: the previous step's round, its outcome not read yet (_settle), with its
+        # scheduler gap (ms) and its requests; and the requests that finished meanwhile (forgotten after it)
+        self._pending: tuple[RoundResult, float | None, set] | None = None
+        self._finishing: set = set()
         self._sampling: dict[str, tuple[object, SamplingSpec]] = {}  # rid -> (its Req, its sampling): ``_specs``
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
                     "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
@@ -237,6 +241,7 @@ class GlanceWorker(BaseSpecWorker):
         return None  # the drafter runs inside this worker; it has no ModelRunner of its own
 
     def clear_cache_pool(self):
+        self._settle()  # no request runs: the last step's outcome (its answers' last tokens) first
         if self.draft_pool is not None:
             self.draft_pool.drop_pending()  # the draft K/V live in SGLang's slots: freeing the slots frees them
         for rid in self.planner.known():  # a flush happens with no request running
@@ -248,7 +253,26 @@ class GlanceWorker(BaseSpecWorker):
                 self.ngram.finish(rid, publish=False)
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        if self._pending is not None and rid in self._pending[2]:
+            # its last step's outcome is not read yet (overlap scheduling): forgotten once it is, so that its
+            # answer reaches the n-gram corpus whole, without waiting here for a step still running
+            self._finishing.add(rid)
+            return
         self._forget(rid)
+
+    def _settle(self) -> None:
+        """Under overlap scheduling, the previous step's outcome, read back where the next step starts (or the
+        engine idles) instead of at the end of its own step, so that SGLang processes the step before it while the
+        device runs it: the n-gram source and the planner get it before anything plans again. Then the requests
+        that finished meanwhile are forgotten. Nothing to do synchronously (each round reads its own)."""
+        if self._pending is not None:
+            r, gap_ms, _ = self._pending
+            self._pending = None
+            r.settle()
+            self._log_report(r, gap_ms)
+        for rid in self._finishing:
+            self._forget(rid)
+        self._finishing.clear()
 
     def _specs(self, reqs) -> list[SamplingSpec]:
         """Each request's sampling (:func:`sampling_spec`), read once per request object: its sampling parameters
@@ -289,11 +313,8 @@ class GlanceWorker(BaseSpecWorker):
         step's committed lengths are known (after the walk); ``grammar_barrier``: unused (GLANCE does not
         advance grammars inside the step: ``supports_grammar_overlap`` is False, so SGLang syncs them first)."""
         if batch.forward_mode.is_decode():
-            rids = [req.rid for req in batch.reqs]
-            if rids != self._last_rids:  # purged where the requests changed since the last decode (or a prefill)
-                self._purge(set(rids))
-                self._last_rids = rids
-            return self._decode(batch, rids, on_publish, pp_proxy_tensors)
+            return self._decode(batch, on_publish, pp_proxy_tensors)
+        self._settle()
         return self._extend(batch, on_publish, pp_proxy_tensors)
 
     def _extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
@@ -505,14 +526,14 @@ class GlanceWorker(BaseSpecWorker):
         with graphs.use(tree.num_rows) if tree.num_rows in graphs.states else contextlib.nullcontext():
             return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
 
-    def _decode(self, batch: ScheduleBatch, rids: list, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
+    def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         if not self._count_reads:
-            return self._decode_step(batch, rids, on_publish, pp_proxy_tensors)
+            return self._decode_step(batch, on_publish, pp_proxy_tensors)
         self._calibrated_now = False
         with count_host_transfers() as counter:
             self._counter = counter
             try:
-                out = self._decode_step(batch, rids, on_publish, pp_proxy_tensors)
+                out = self._decode_step(batch, on_publish, pp_proxy_tensors)
             finally:
                 self._counter = None
         if not self._calibrated_now:  # a calibration step runs many passes: not a decode step's count
@@ -520,10 +541,15 @@ class GlanceWorker(BaseSpecWorker):
                            counter.total, dict(sorted(counter.calls.items())), self._last_kind)
         return out
 
-    def _decode_step(self, batch: ScheduleBatch, rids: list, on_publish, pp_proxy_tensors
-                     ) -> GenerationBatchResult:
-        """One decode step: ``glance_sgl.round.speculative_round`` over the batch (``rids``: its requests' ids),
-        through this worker's adapters (:class:`SGLangRows`, :class:`PoolDrafter`), then SGLang's result."""
+    def _decode_step(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
+        """One decode step: the previous step's outcome where it waits (:meth:`_settle`), then
+        ``glance_sgl.round.speculative_round`` over the batch, through this worker's adapters (:class:`SGLangRows`,
+        :class:`PoolDrafter`), then SGLang's result."""
+        self._settle()
+        rids = [req.rid for req in batch.reqs]
+        if rids != self._last_rids:  # purged where the requests changed since the last decode (or a prefill)
+            self._purge(set(rids))
+            self._last_rids = rids
         bs = len(batch.reqs)
         seq_lens = batch.seq_lens
         seq_lens_cpu = self._host_seq_lens(batch)
@@ -552,10 +578,16 @@ class GlanceWorker(BaseSpecWorker):
         def publish(walk: WalkResult) -> None:  # before the KV keep and the drafter's writes (SGLang's V2 order)
             on_publish(seq_lens + walk.accept_lens.to(self.device) + 1)
 
+        overlap = not self.server_args.disable_overlap_schedule  # the outcome is read when the next step starts
         r = speculative_round(rounds, self.planner, sources, target, max_depth=self.max_depth,
-                              device_resident=self.device_step, on_walk=None if on_publish is None else publish)
+                              device_resident=self.device_step, on_walk=None if on_publish is None else publish,
+                              defer_outcome=overlap)
         self._last_round_end = r.ended
-        self._log_step(r, gap_ms)
+        self._note_step(r)
+        if overlap:
+            self._pending = (r, gap_ms, set(rids))
+        else:
+            self._log_report(r, gap_ms)
 
         walk = r.walk
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
@@ -585,16 +617,19 @@ class GlanceWorker(BaseSpecWorker):
                 source.add_request(req.rid, _in_vocab(req.origin_input_ids, self._vocab))
                 source.commit(req.rid, tokens.output(b))
 
-    def _log_step(self, r: RoundResult, gap_ms: float | None) -> None:
-        """Step statistics; with ``GLANCE_SGL_PROFILE=1`` each step's parts logged."""
+    def _note_step(self, r: RoundResult) -> None:
+        """Step statistics: rows verified per request, the step's kind."""
         rows = r.tree.num_rows if r.drafted or r.tree.num_rows > 1 else 0  # n-gram rows without the drafter too
-        self.stats.record(r.report.batch, rows)
+        self.stats.record(r.tree.batch_size, rows)
         self._last_rows = rows
         # the step's kind: an AR step, n-gram candidates only, the drafter's tree, or both merged
         if r.drafted:
             self._last_kind = "drafter" if r.tree.sources is None else "merged"
         else:
             self._last_kind = "ngram" if r.tree.num_rows > 1 else "ar"
+
+    def _log_report(self, r: RoundResult, gap_ms: float | None) -> None:
+        """With ``GLANCE_SGL_PROFILE=1``, the parts of a step whose outcome was read (its report)."""
         if self._profile:
             rep = r.report
             logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s",
