@@ -183,8 +183,8 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
             f"pooled." if repeat > 1 else "")
     lines = [f"Made by {_provenance(run)}. Device {report['device']}, {report['prompts']} demo prompts and "
              f"{report['wild']} wild ones, up to {report['max_tokens']} new tokens, the bundled demo pair, radix "
-             f"cache on.{runs} Output tokens/s = completion tokens / wall time (prefill included); decode tok/s (at 1 in "
-             f"flight) leaves the prefill out.", ""]
+             f"cache on.{runs} Output tokens/s = completion tokens / wall time (prefill included); decode tok/s "
+             f"(at 1 in flight) leaves the prefill out.", ""]
     head, rows = _sglang_rows(report)
     lines += _table(head, rows)
     rows_per = ", ".join(f"{METHOD_LABELS.get(r['method'], r['method'])} {r['rows_per_step']:.1f}"
