@@ -221,6 +221,8 @@ def test_deferred_draft_kv_writes_keep_the_later_write_of_a_slot():
     deferred.flush()
     for a, b in zip(deferred.k + deferred.v, direct.k + direct.v):
         assert torch.allclose(a[1:], b[1:], atol=1e-6)  # slot 0 is the padding slot
+    # on a CPU a flush projects the committed rows only: the padding rows never reach the pool
+    assert not any(t[0].any() for t in deferred.k + deferred.v) and any(t[0].any() for t in direct.k + direct.v)
     deferred.flush()  # nothing pending: a no-op
 
 
