@@ -9,7 +9,9 @@ several requests in flight, greedy and seeded sampling, with the n-gram source's
 drafter's (``GLANCE_DRAFT_SOURCES=drafter,ngram``: merged trees, n-gram-only steps, drafter-only steps and AR
 steps), and must give the same tokens too. A fourth runs the same random rounds under SGLang's overlap scheduler
 (the V2 worker with ``FutureMap`` relay: the scheduler processes a step's results after launching the next) and
-must give the same tokens at 1 and 4 in flight, greedy and seeded.
+must give the same tokens at 1 and 4 in flight, greedy and seeded. A fifth drafts from n-gram matches alone
+(``GLANCE_DRAFT_SOURCES=ngram``: its passes capture no tap features and feed no drafter context) under the random
+planner, and must give the same tokens at 4 in flight, greedy and seeded.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def run(checkpoints, tmp_path_factory):
                                 "GLANCE_COST_CACHE": "off", "GLANCE_SGL_CPU_OVERLAP": "1",
                                 "SGLANG_IS_IN_CI": "1"}, log_path=logs / "merged.log",
                            wait=False)
+    ngram = EngineProcess(cpu_engine_kwargs(target, drafter),
+                          env={**STRICT, "GLANCE_DRAFT_SOURCES": "ngram", "GLANCE_PLANNER": "random:7",
+                               "GLANCE_COST_CACHE": "off"}, log_path=logs / "ngram.log", wait=False)
     plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env=STRICT,
                           log_path=logs / "plain.log", wait=False)
     threads = torch.get_num_threads()
@@ -87,18 +92,23 @@ def run(checkpoints, tmp_path_factory):
         merged_seeded = merged.generate(seeded, concurrent=True)["results"]
         merged_info = merged.info()
         merged.close()
+        ngram.wait_ready()
+        ngram_greedy = ngram.generate(requests, concurrency=4)["results"]
+        ngram_seeded = ngram.generate(seeded, concurrent=True)["results"]
+        ngram.close()
         print(f"embedded {t_embedded:.1f}s, engines ready {t_ready:.1f}s, all {time.perf_counter() - t0:.1f}s")
         yield {"kind": kind, "requests": requests, "ar": ar, "tau": committed / max(rounds, 1), "batch1": batch1,
                "plain": plain_out, "concurrent": concurrent, "glance": glance, "logs": logs, "sampled": sampled,
                "seeded_fixed": seeded_fixed, "random_greedy": random_greedy, "random_seeded": random_seeded,
                "merged_batch1": merged_batch1, "merged_concurrent": merged_concurrent, "merged_seeded": merged_seeded,
-               "merged_info": merged_info}
+               "merged_info": merged_info, "ngram_greedy": ngram_greedy, "ngram_seeded": ngram_seeded}
     finally:
         torch.set_num_threads(threads)
         glance.close()
         plain.close()
         rand.close()
         merged.close()
+        ngram.close()
 
 
 def test_batch1_token_identical_to_ar_and_plain_sglang(run):
@@ -201,5 +211,19 @@ def test_overlap_scheduler_stays_lossless(run):
     log = (run["logs"] / "merged.log").read_text()
     assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
     assert run["merged_info"]["disable_overlap_schedule"] is False  # the overlap scheduler did run
-    for name in ("glance", "random", "merged"):  # GLANCE registers supports_overlap=True: no deprecation notice
+    for name in ("glance", "random", "merged", "ngram"):  # GLANCE registers supports_overlap=True: no deprecation notice
         assert "supports_overlap=False" not in (run["logs"] / f"{name}.log").read_text()
+
+
+def test_ngram_only_steps_stay_lossless(run):
+    """N-gram candidates alone (no drafter pass, no tap features captured), random tree sizes and AR steps at 4
+    in flight: SGLang's tokens without speculation, and the fixed tree's seeded samples."""
+    for i, (g, p) in enumerate(zip(run["ngram_greedy"], run["plain"])):
+        assert g["output_ids"] == p["output_ids"], f"prompt {i}: n-gram alone vs SGLang without speculation"
+    for i, (g, f) in enumerate(zip(run["ngram_seeded"], run["seeded_fixed"])):
+        assert g["output_ids"] == f["output_ids"], f"seeded prompt {i}: n-gram alone vs the fixed tree"
+    drafted = sum(g["meta_info"]["completion_tokens"] - 1 - g["meta_info"].get("spec_verify_ct", 0)
+                  for g in run["ngram_greedy"])
+    assert drafted > 0  # some matches were accepted: n-gram steps did run
+    log = (run["logs"] / "ngram.log").read_text()
+    assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
