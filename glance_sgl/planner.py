@@ -137,8 +137,19 @@ class CostModel:
         return _interp(self.verify_rows, self.verify_ms_at, float(rows * batch)) * self.scale
 
     def verify_ms_many(self, rows: Sequence[int], batch: int = 1) -> list[float]:
-        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs."""
-        return [self.verify_ms(r, batch) for r in rows]
+        """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs
+        (ascending rows: one walk along the curve instead of a search per point)."""
+        xs, ys, n = self.verify_rows, self.verify_ms_at, len(self.verify_rows)
+        if n == 1 or any(b < a for a, b in zip(rows, rows[1:])):
+            return [self.verify_ms(r, batch) for r in rows]
+        out, i = [], 1
+        for r in rows:
+            x = float(r * batch)
+            while i < n - 1 and xs[i] < x:  # the segment _interp picks: bisect_left, kept within [1, n - 1]
+                i += 1
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            out.append(max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) * self.scale)
+        return out
 
     def draft_ms(self, batch: int = 1) -> float:
         return _interp(self.draft_batch, self.draft_ms_at, float(batch)) * self.scale
@@ -345,7 +356,7 @@ def save_costs(model: CostModel) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------- acceptance
-HOST_OBSERVE_MAX_BATCH = 16  # DepthCalibration.observe: host lists up to this batch size, tensor ops above
+HOST_OBSERVE_MAX_BATCH = 16  # DepthCalibration.observe, Planner.choose: host lists up to this batch, tensor ops above
 
 
 class DepthCalibration:
@@ -363,17 +374,34 @@ class DepthCalibration:
         self.predicted = torch.full((max_depth + 1,), prior, dtype=torch.float64)
         self.hits = torch.full((max_depth + 1,), prior, dtype=torch.float64)
         self._log_cumulative: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._log_cumulative_host: tuple[tuple[int, ...], list[float]] | None = None
+
+    def _sums_key(self) -> tuple[int, ...]:
+        """Changes whenever the sums do (in place included)."""
+        return id(self.hits), self.hits._version, id(self.predicted), self.predicted._version
 
     def log_cumulative(self) -> torch.Tensor:
         """[max_depth + 1] float32: ``C[d] = sum_{1..d} log factor``, C[0] = 0. Made again only after the sums
         changed (every choice reads it; only a drafting round's report changes them)."""
-        key = (id(self.hits), self.hits._version, id(self.predicted), self.predicted._version)
+        key = self._sums_key()
         if self._log_cumulative is None or self._log_cumulative[0] != key:
             factor = (self.hits / self.predicted).clamp(1e-3, 1e3)
             logf = factor.log()
             logf[0] = 0.0
             self._log_cumulative = key, torch.cumsum(logf, 0).float()
         return self._log_cumulative[1]
+
+    def log_cumulative_host(self) -> list[float]:
+        """:meth:`log_cumulative` as a host list (in double precision), for the host path of
+        :meth:`Planner.choose`; made again only after the sums changed."""
+        key = self._sums_key()
+        if self._log_cumulative_host is None or self._log_cumulative_host[0] != key:
+            total, out = 0.0, [0.0]
+            for hit, pred in zip(self.hits.tolist()[1:], self.predicted.tolist()[1:]):
+                total += math.log(min(max(hit / pred, 1e-3), 1e3))
+                out.append(total)
+            self._log_cumulative_host = key, out
+        return self._log_cumulative_host[1]
 
     def node_probs(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
                    drafter_nodes: bool = True) -> torch.Tensor:
@@ -429,18 +457,18 @@ class DepthCalibration:
     def _observe_host(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
                       accepted_rows: torch.Tensor, accept_lens: torch.Tensor, counted: torch.Tensor | None = None
                       ) -> None:
-        """:meth:`observe` on host lists (same sums; the conditional probabilities in float32, as there)."""
+        """:meth:`observe` on host lists (the same sums; the conditional probabilities in double precision, of the
+        path children only, instead of float32 tensor ops over every row)."""
         top = self.max_depth + 1
         pred, hit = [0.0] * top, [0.0] * top
         par, dep, acc, lens = parents.tolist(), depths.tolist(), accepted_rows.tolist(), accept_lens.tolist()
+        sc = scores.tolist()
         mine = None if counted is None else counted.tolist()
-        # exp(score - parent's score) of every row, in float32 like the tensor path; only path children count
-        cond = torch.exp(scores.float() - scores.float().gather(1, parents.clamp(min=0))).tolist()
         for b in range(len(par)):
             on_path = {row for row in acc[b] if row >= 0}
             for i, p in enumerate(par[b]):
                 if p >= 0 and p in on_path and dep[b][i] < top and (mine is None or mine[b][i]):
-                    pred[dep[b][i]] += cond[b][i]
+                    pred[dep[b][i]] += math.exp(sc[b][i] - sc[b][p])  # exp(score - parent's score)
             if mine is None:
                 for d in range(1, min(int(lens[b]), top - 1) + 1):
                     hit[d] += 1.0
@@ -448,8 +476,9 @@ class DepthCalibration:
                 for row in on_path:
                     if row > 0 and mine[b][row] and dep[b][row] < top:
                         hit[dep[b][row]] += 1.0
-        self.predicted.mul_(self.decay).add_(torch.tensor(pred, dtype=torch.float64))
-        self.hits.mul_(self.decay).add_(torch.tensor(hit, dtype=torch.float64))
+        new = torch.tensor([pred, hit], dtype=torch.float64)
+        self.predicted.mul_(self.decay).add_(new[0])
+        self.hits.mul_(self.decay).add_(new[1])
 
 
 class EntropyTable:
@@ -917,6 +946,28 @@ class Planner:
         probs[:, 0] = 0.0
         return torch.cumsum(probs, dim=1)
 
+    def _accept_curves(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None,
+                       drafter_nodes: bool) -> list[list[float]]:
+        """:meth:`expected_accept` as host lists [B][R]. A small batch on the host (the round's host copies, up to
+        ``HOST_OBSERVE_MAX_BATCH`` requests) is summed in Python, in double precision: some ten tiny tensor ops
+        and a read cost more there (about 0.15 ms of a round on 2 cores)."""
+        if scores.device.type != "cpu" or scores.shape[0] > HOST_OBSERVE_MAX_BATCH:
+            return self.expected_accept(scores, depths, sources, drafter_nodes).tolist()
+        top = self.depth.max_depth
+        logc = self.depth.log_cumulative_host() if drafter_nodes else None
+        tags = sources.tolist() if sources is not None and drafter_nodes else None
+        out = []
+        for b, (row_scores, row_depths) in enumerate(zip(scores.tolist(), depths.tolist())):
+            total, curve = 0.0, [0.0]
+            for i in range(1, len(row_scores)):
+                x = row_scores[i]
+                if logc is not None and (tags is None or tags[b][i] == SOURCE_DRAFTER):
+                    x += logc[min(row_depths[i], top)]
+                total += min(math.exp(x), 1.0)
+                curve.append(total)
+            out.append(curve)
+        return out
+
     def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor,
                sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan:
         """The tree size for this batch after the candidate sources ran (the same for every request of the batch).
@@ -928,16 +979,15 @@ class Planner:
             return Plan(0, [1.0] * bs, drafted=drafter_ran, raw_accept=[0.0] * bs)
         limit = min(rows - 1, self.max_nodes)
         sources = None if sources is None else sources[:, : limit + 1]
-        # without the drafter's pass the candidates hold none of its nodes: nothing to calibrate, no tree ratio
-        raw = self.expected_accept(scores[:, : limit + 1], depths[:, : limit + 1], sources, drafter_nodes=drafter_ran)
+        # without the drafter's pass the candidates hold none of its nodes: nothing to calibrate, no tree ratio;
+        # every request's raw acceptance and expected tokens at every budget [bs][limit + 1], as lists (the round
+        # plans on host copies of the candidates: not a device read)
+        raw_host = self._accept_curves(scores[:, : limit + 1], depths[:, : limit + 1], sources, drafter_ran)
         if drafter_ran:
-            ratio = torch.tensor([self.state(r).tree_ratio for r in rids], dtype=raw.dtype, device=raw.device)
-            curve = 1.0 + raw * ratio[:, None]
+            ratios = [self.state(r).tree_ratio for r in rids]
+            curve_host = [[1.0 + x * q for x in row] for row, q in zip(raw_host, ratios)]
         else:
-            curve = 1.0 + raw
-        # every request's expected tokens and raw acceptance at every budget [2, bs, limit + 1], as lists (the
-        # round plans on host copies of the candidates: not a device read)
-        curve_host, raw_host = torch.stack([curve, raw.to(curve.dtype)]).tolist()
+            curve_host = [[1.0 + x for x in row] for row in raw_host]
         per_n = [sum(col) for col in zip(*curve_host)]  # [limit + 1]: the batch's expected tokens for budget n
         if self.mode == "fixed":
             n = min(self.fixed_nodes, limit)
