@@ -356,7 +356,10 @@ def save_costs(model: CostModel) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------- acceptance
-HOST_OBSERVE_MAX_BATCH = 16  # DepthCalibration.observe, Planner.choose: host lists up to this batch, tensor ops above
+HOST_OBSERVE_MAX_BATCH = 16  # DepthCalibration.observe: host lists up to this batch size, tensor ops above
+# Planner.choose: host lists up to this batch size (its lists grow with batch x rows: at 32 rows the tensor ops are
+# as fast from 8 requests on, 2 cores)
+HOST_CHOOSE_MAX_BATCH = 4
 
 
 class DepthCalibration:
@@ -949,9 +952,9 @@ class Planner:
     def _accept_curves(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None,
                        drafter_nodes: bool) -> list[list[float]]:
         """:meth:`expected_accept` as host lists [B][R]. A small batch on the host (the round's host copies, up to
-        ``HOST_OBSERVE_MAX_BATCH`` requests) is summed in Python, in double precision: some ten tiny tensor ops
+        ``HOST_CHOOSE_MAX_BATCH`` requests) is summed in Python, in double precision: some ten tiny tensor ops
         and a read cost more there (about 0.15 ms of a round on 2 cores)."""
-        if scores.device.type != "cpu" or scores.shape[0] > HOST_OBSERVE_MAX_BATCH:
+        if scores.device.type != "cpu" or scores.shape[0] > HOST_CHOOSE_MAX_BATCH:
             return self.expected_accept(scores, depths, sources, drafter_nodes).tolist()
         top = self.depth.max_depth
         logc = self.depth.log_cumulative_host() if drafter_nodes else None

@@ -141,8 +141,8 @@ def test_choose_host_curves_equal_the_tensor_curves(bs, monkeypatch):
         tensor = planner.expected_accept(tree.scores, tree.depths, sources, drafter).tolist()
         assert len(host) == bs and all(h == pytest.approx(t, rel=1e-5, abs=1e-6) for h, t in zip(host, tensor))
         plans = []
-        for limit in (planner_mod.HOST_OBSERVE_MAX_BATCH, 0):  # the host lists, then the tensor ops
-            monkeypatch.setattr(planner_mod, "HOST_OBSERVE_MAX_BATCH", limit)
+        for limit in (16, 0):  # the host lists, then the tensor ops
+            monkeypatch.setattr(planner_mod, "HOST_CHOOSE_MAX_BATCH", limit)
             plans.append(planner.choose(rids, tree.scores, tree.depths, sources, drafter_ran=drafter))
         assert plans[0].nodes == plans[1].nodes
         assert plans[0].expected_tokens == pytest.approx(plans[1].expected_tokens, rel=1e-5)
