@@ -108,7 +108,11 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear interpolation; linear extrapolation past the ends (never below 0)."""
     if len(xs) == 1:
         return ys[0] * max(x, 1.0) / max(xs[0], 1.0)
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    return _on_segment(xs, ys, min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1), x)
+
+
+def _on_segment(xs: Sequence[float], ys: Sequence[float], i: int, x: float) -> float:
+    """The line through points ``i - 1`` and ``i`` at ``x`` (never below 0)."""
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
@@ -147,8 +151,7 @@ class CostModel:
             x = float(r * batch)
             while i < n - 1 and xs[i] < x:  # the segment _interp picks: bisect_left, kept within [1, n - 1]
                 i += 1
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            out.append(max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) * self.scale)
+            out.append(_on_segment(xs, ys, i, x) * self.scale)
         return out
 
     def draft_ms(self, batch: int = 1) -> float:
