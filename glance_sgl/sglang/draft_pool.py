@@ -153,14 +153,19 @@ def drafter_cell_bytes_from_checkpoint(path: str | Path, dtype: torch.dtype) -> 
 
 def _add_draft_cell(result: Any, configurator: Any, kvc: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook of SGLang's ``DefaultPoolConfigurator.__init__``: the per-token cell size SGLang divides its
-    KV budget by gains the draft pool's bytes per token, so both pools fit the budget."""
+    KV budget by gains the draft pool's bytes per token, so both pools fit the budget (where the drafter is among
+    the worker's sources, ``GLANCE_DRAFT_SOURCES``: without it there is no draft pool)."""
     from sglang.srt.runtime_context import get_spec
 
     from . import ALGORITHM
 
+    from .settings import WorkerSettings
+
     algo = getattr(kvc, "spec_algorithm", None)
     if getattr(kvc, "is_draft_worker", False) or getattr(algo, "name", None) != ALGORITHM:
         return None
+    if "drafter" not in WorkerSettings.from_env().draft_sources:
+        return None  # n-gram candidates alone: the worker allocates no draft pool (GlanceWorker.alloc_memory_pool)
     path = get_spec().speculative_draft_model_path
     dtype = getattr(kvc.model_config, "dtype", torch.float32)
     extra = drafter_cell_bytes_from_checkpoint(path, dtype)

@@ -204,8 +204,12 @@ class GlanceWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ BaseSpecWorker plumbing
     def alloc_memory_pool(self, **kwargs):
         """SGLang's pools are the target's; the draft KV pool gets exactly the target pool's token slots (its
-        bytes were budgeted with the target's: ``draft_pool.install_memory_accounting``)."""
+        bytes were budgeted with the target's: ``draft_pool.install_memory_accounting``); none where the drafter
+        is not among the sources."""
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+        if "drafter" not in self.draft_sources:  # n-gram candidates alone: no drafter context to keep
+            logger.info("GLANCE: no draft KV pool (the drafter is not among the sources %s)", self.draft_sources)
+            return
         slots = self.token_to_kv_pool_allocator.get_kvcache().k_buffer[0].shape[0]
         self.draft_pool = DraftKVPool(self.drafter, slots, self.device, self.model_runner.dtype)
         logger.info("GLANCE draft KV pool allocated: #tokens %d, %d layers, K+V size %.2f GB", slots - 1,
@@ -219,6 +223,7 @@ class GlanceWorker(BaseSpecWorker):
         graphs = self.use_graphs and self.model_runner.decode_cuda_graph_runner is not None
         if not graphs and not self.settings.static_draft:
             return
+        drafts = self.draft_pool is not None  # without the drafter among the sources: the verify graphs alone
         if graphs:
             widths = graph_widths(self.draft_token_num, self.settings.graph_widths)
             self.verify_graphs = VerifyGraphs(self.model_runner, self.draft_token_num, self.max_depth, widths)
@@ -227,13 +232,14 @@ class GlanceWorker(BaseSpecWorker):
         else:
             max_bs = int(getattr(self.server_args, "max_running_requests", None) or 48)
         # under TP the drafter's LM head all-gathers (a collective): its pass stays eager there
-        self.draft_runner = DraftPassRunner(self.drafter, self.draft_pool, self.req_to_token_pool.req_to_token,
-                                            max_depth=self.max_depth, branch_k=self.branch_k, budget=self.budget,
-                                            max_bs=max_bs, use_graphs=graphs and self.tp_size == 1)
+        if drafts:
+            self.draft_runner = DraftPassRunner(self.drafter, self.draft_pool, self.req_to_token_pool.req_to_token,
+                                                max_depth=self.max_depth, branch_k=self.branch_k, budget=self.budget,
+                                                max_bs=max_bs, use_graphs=graphs and self.tp_size == 1)
         (logger.info if graphs else logger.warning)(  # without graphs a diagnostic mode: say so
             "GLANCE graphs: verify widths %s, drafter pass at static shapes up to batch %d (%s)",
             self.verify_graphs.widths if self.verify_graphs else None, max_bs,
-            "CUDA graphs" if self.draft_runner.use_graphs else "eager")
+            "no drafter" if not drafts else "CUDA graphs" if self.draft_runner.use_graphs else "eager")
 
     @property
     def target_worker(self) -> TpModelWorker:

@@ -299,7 +299,8 @@ def test_launch_command():
 
 def test_draft_pool_bytes_join_sglangs_kv_cell_size(tmp_path, plugins_loaded, monkeypatch):
     """The draft KV pool is budgeted with the target's: SGLang's per-token cell size (what its KV budget is
-    divided by) gains the drafter's K+V bytes per token, for GLANCE only and not for a draft worker."""
+    divided by) gains the drafter's K+V bytes per token, for GLANCE only, not for a draft worker, and not where the
+    drafter is not among the sources."""
     from types import SimpleNamespace
 
     import sglang.srt.runtime_context as rc
@@ -317,3 +318,10 @@ def test_draft_pool_bytes_join_sglangs_kv_cell_size(tmp_path, plugins_loaded, mo
                               model_config=SimpleNamespace(dtype=torch.float32))
         draft_pool._add_draft_cell(None, conf, kvc)
         assert conf._cell_size == 1000 + extra, (name, draft_worker)
+    # n-gram candidates alone: the worker allocates no draft pool, so SGLang's KV budget keeps its whole cell
+    monkeypatch.setenv("GLANCE_DRAFT_SOURCES", "ngram")
+    conf = SimpleNamespace(_cell_size=1000)
+    draft_pool._add_draft_cell(None, conf, SimpleNamespace(spec_algorithm=SimpleNamespace(name="GLANCE"),
+                                                            is_draft_worker=False,
+                                                            model_config=SimpleNamespace(dtype=torch.float32)))
+    assert conf._cell_size == 1000
