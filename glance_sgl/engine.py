@@ -510,10 +510,11 @@ class GlanceEngine:
         self.check_fits(prompt, params)
         rid = next(self._rids)
         ngram = "ngram" in sources and mode != "ar"
-        if ngram:  # the prompt goes in now: SGLang's insert thread stores it while the prefill runs
+        if ngram:  # the prompt goes in now where the first round will look (SGLang's insert thread stores it while
+            # the prefill runs), else before the request's first lookup, if any
             assert self.ngram is not None
             self.ngram.set_key(rid, ngram_key)  # scope per-key: the tenant's corpus
-            self.ngram.start(rid, prompt.input_ids[0].tolist())
+            self.ngram.start(rid, prompt.input_ids[0].tolist(), planner is None or planner.looks_first())
         try:
             state, rows = self.target.prefill(prompt, taps=self._taps(mode))
         except BaseException:

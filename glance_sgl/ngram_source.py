@@ -188,6 +188,9 @@ class _Request:
     # the tokens its prompt follows by another (an own lookup whose root is none of them finds nothing), while its
     # output goes to a cross-request corpus only; None: the own corpus takes its output too, every lookup runs
     starts: frozenset[int] | None = None
+    # its prompt's windows (in its namespace), not inserted yet: they go in before its first own lookup or its
+    # first output window (``NgramSource._own_ready``), so a request whose rounds never look never inserts them
+    prompt_windows: list[list[int]] | None = None
 
 
 class NgramSource:
@@ -345,16 +348,31 @@ class NgramSource:
                 cur.append(t)
         if len(cur) > 1:
             segments.append(cur)
-        if segments:
-            # at once: SGLang's insert thread stores a prompt while the engine runs its first passes
-            self._put(own.corpus, [_in_namespace(seg, offset) for seg in segments])
-            self._flush(own.corpus)
         scope_key = _ANON_KEY if s.scope == "shared" or key is None else str(key)
         lead = cur[-(s.max_trie_depth - 1):]  # cur: the prompt's tokens after its last skip token
         live = s.scope != "off" and s.publish == "live"  # its output reaches a cross-request corpus round by round
         starts = frozenset(t for seg in segments for t in seg[:-1]) if live else None
         self._requests[rid] = _Request(own, offset, scope_key, prompt[-s.max_trie_depth:], len(prompt), lead=lead,
-                                       starts=starts)
+                                       starts=starts,
+                                       prompt_windows=[_in_namespace(seg, offset) for seg in segments] or None)
+
+    def insert_prompt(self, rid: Hashable) -> None:
+        """Insert ``rid``'s prompt now, where its first round will look it up: SGLang's insert thread stores it
+        while the caller goes on (the embedded engine: before the request's prefill). Else it goes in before the
+        request's first own lookup (:meth:`_own_ready`)."""
+        req = self._requests.get(rid)
+        if req is not None and req.prompt_windows is not None:
+            self._own_ready(req)
+            self._flush(req.own.corpus)
+
+    def _own_ready(self, req: _Request) -> None:
+        """Queue ``req``'s prompt for its own corpus, once, before anything else of it goes in or is looked up
+        there. Inserting a prompt costs SGLang's trie about 6 us a token (n-grams up to ``max_trie_depth``), and on
+        a busy CPU the woken insert thread takes the engine's core meanwhile: a request whose rounds skip the
+        lookups (the planner's ``cheap_rows``) never pays it."""
+        if req.prompt_windows is not None:
+            windows, req.prompt_windows = req.prompt_windows, None
+            self._put(req.own.corpus, windows)
 
     def commit(self, rid: Hashable, tokens: Sequence[int]) -> None:
         """Tokens committed for ``rid`` (in output order: the prefill's first token, then each round's)."""
@@ -378,6 +396,7 @@ class NgramSource:
             if req.starts is not None and len(req.answer) + len(tokens) > s.max_answer_tokens:
                 req.starts = None  # the answer outgrows what is published: its own corpus takes over
             if req.starts is None:
+                self._own_ready(req)  # its prompt before its output, as the tokens came
                 stored = _after_separators(window)  # a skipped prompt position never enters a trie
                 if len(stored) > 1:
                     own.setdefault(id(req.own), (req.own, []))[1].append(_in_namespace(stored, req.offset))
@@ -551,6 +570,8 @@ class NgramSource:
         own = [_Query(b, req.own.corpus, str(rids[b]), _in_namespace(req.tail, req.offset), req.total,
                       offset=req.offset)
                for b, req in zip(live, reqs) if req.starts is None or req.tail[-1] in req.starts]
+        for q in own:
+            self._own_ready(self._requests[rids[q.b]])
         for i, q in enumerate(queries + own):
             q.order = (i,)
         if not queries:  # scope off: the own corpora alone
@@ -717,12 +738,16 @@ class NgramCandidates:
         if key is not None:
             self.keys[rid] = key
 
-    def start(self, rid: Hashable, prompt: Sequence[int]) -> None:
+    def start(self, rid: Hashable, prompt: Sequence[int], looks_first: bool = True) -> None:
         """``rid``'s prompt token ids, before its prefill (its key first, ``set_key``); the first committed token
         follows through ``source.commit``. A request not started here is added from its first round's
-        ``batch.tokens``."""
+        ``batch.tokens``. ``looks_first``: its first round will look its matches up (the planner's
+        ``looks_first``): the prompt goes into the corpus now, while the prefill runs; else before its first
+        lookup, if any."""
         if self.source.available and rid not in self.source:
             self.source.add_request(rid, prompt, self.keys.get(rid))
+            if looks_first:
+                self.source.insert_prompt(rid)
 
     def _sync(self, batch: Any, roots: list[int]) -> None:
         src = self.source

@@ -836,6 +836,18 @@ class Planner:
             out.append(1 if skip else rows)
         return out
 
+    def looks_first(self) -> bool:
+        """Whether a request starting now, alone in its batch, looks up the sources without a model pass in its
+        first round: :meth:`cheap_rows`'s rule for such a request, its counters untouched (the embedded engine then
+        hands the request's prompt to the n-gram source before the prefill, so SGLang's insert thread stores it
+        meanwhile, instead of in the first lookup's way)."""
+        if self.mode != "auto" or self.cheap_ms is None or self.lookups_all.looks < NGRAM_PRIOR:
+            return True
+        if self.lookups_first.looks <= 0:
+            return True
+        record = self.lookups_first.means(self.lookups_all, NGRAM_PRIOR)
+        return self._lookup_pays(record, RequestPlanState(), 1) or (self.first_skips + 1) % FIRST_RECHECK == 0
+
     def merge_worth(self, rids: Sequence[object], alternative: "Plan") -> list[bool]:
         """Per request of ``rids``, whether the matches' candidates join the drafter's tree: where the round they
         allow alone (``alternative``, :meth:`choose` with ``drafter_ran=False``) expects ``MERGE_MIN_DRAFTS``

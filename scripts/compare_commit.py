@@ -6,7 +6,7 @@ The earlier commit's ``glance_sgl`` is exported with ``git archive`` into a temp
 another name (``glance_base``), so both engines load the same bundled checkpoints side by side. For every task
 and prompt the methods run back to back in an order that rotates from prompt to prompt: this checkout's AR path,
 GLANCE (planner auto), GLANCE (fixed tree), GLANCE with the drafter and n-gram matches merged (``merged``), and the
-earlier commit's AR path, GLANCE and width-1 chain. Each GLANCE speedup is over its own engine's AR path, and so is
+earlier commit's AR path, GLANCE and width-1 chain (and its merged sources, ``base_merged``, where it has them). Each GLANCE speedup is over its own engine's AR path, and so is
 each lossless check ("lossless": this checkout's GLANCE runs against its AR path; "(base)": the earlier commit's
 GLANCE against its AR path). The earlier commit's AR path may answer
 some prompts differently from this one's (its prompt preparation), which is reported as ``base_ar_matches_ar``.
@@ -78,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         "base_glance": lambda m: old.generate(m, old_params, mode="glance"),
         "base_chain": lambda m: old.generate(m, old_params, mode="chain"),
     }
+    import inspect
+
+    if "draft_sources" in inspect.signature(base_engine_mod.GlanceEngine.__init__).parameters:
+        old_merged = base_engine_mod.GlanceEngine(old.target, old.drafter, budget=old.budget, branch_k=old.branch_k,
+                                                  mode="glance", max_nodes=old.max_nodes,
+                                                  draft_sources=("drafter", "ngram"))
+        runs["base_merged"] = lambda m: old_merged.generate(m, old_params, planner="auto")
     names = list(runs)
     warm = bench_examples("caption", 1)[0].messages()
     for fn in runs.values():
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             same_base[task] += int(out["base_glance"].token_ids == out["base_ar"].token_ids)
     report: dict = {"commit": args.commit, "limit": args.limit, "max_tokens": args.max_tokens,
                     "clock": "process CPU time, 1 thread" if args.cpu_clock else "wall", "tasks": {}}
-    shown = ("auto", "fixed", "merged", "base_glance", "base_chain")
+    shown = ("auto", "fixed", "merged", "base_glance", "base_chain") + (("base_merged",) if "base_merged" in runs else ())
     print(f"{'task':>9} | {'AR ms/tok':>9} | " + " | ".join(f"{n + ' x':>13} {'tau':>5} {'rc':>5}" for n in shown)
           + " | lossless (base)")
     for task in tasks:
@@ -135,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geomean over {', '.join(demo)}: auto {report['geomean_auto']:.2f}x, fixed "
               f"{report['geomean_fixed']:.2f}x, merged {report['geomean_merged']:.2f}x; {args.commit}: GLANCE "
               f"{report['geomean_base_glance']:.2f}x, chain {report['geomean_base_chain']:.2f}x "
-              f"(auto / base = {report['geomean_auto'] / report['geomean_base_glance']:.2f})")
+              f"(auto / base = {report['geomean_auto'] / report['geomean_base_glance']:.2f})"
+              + (f"; merged / base merged = {report['geomean_merged'] / report['geomean_base_merged']:.2f}"
+                 if report.get("geomean_base_merged") else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -435,3 +435,38 @@ def test_a_request_copying_its_matches_is_scored_on_track():
     assert src.context("r") == CONTEXT_ANY
     src.commit("r", [1])  # no proposal made there: the streak stays broken
     assert src.context("r") == CONTEXT_ANY
+
+
+def test_a_prompt_goes_in_only_when_its_request_looks():
+    """A prompt is inserted before its request's first own lookup, or before its first output window where the own
+    corpus takes the output too (scope off), and never for a request whose rounds skip the lookups while its output
+    goes to a cross-request corpus: inserting costs SGLang's trie about 6 us a prompt token."""
+    prompt = [50, 51, 52, 53, 54, 55, 56, 57]
+    for scope in ("shared", "off"):
+        src = NgramSource(small(scope=scope))
+        puts: list[list[int]] = []
+        own = src._own.corpus
+        real_put = own.batch_put
+        own.batch_put = lambda windows: (puts.extend(list(w) for w in windows), real_put(windows))[1]
+        src.add_request("quiet", prompt)
+        src.commit("quiet", [90])  # its rounds never look
+        src.add_request("r", prompt)
+        src.commit("r", [52])
+        assert not puts, "nothing inserted before a lookup reads the corpus"
+        assert (53, 54, 55) in paths_of(src.propose(["r"], rows=8)), "the prompt's continuation"
+        for rid in ("quiet", "r"):
+            offset = src._requests[rid].offset
+            mine = [w for w in puts if w and offset <= w[-1] < offset + (1 << 19)]
+            if rid == "quiet" and scope == "shared":
+                assert not mine, "a request that never looked never inserted its prompt"
+                continue
+            assert mine[0] == [offset + t for t in prompt], (scope, rid, "its prompt before anything of it")
+            if scope == "off":
+                assert len(mine) == 2 and mine[1][-1] == offset + (90 if rid == "quiet" else 52), "then its output"
+        src.finish("quiet")
+        src.finish("r")
+    # where the first round will look (the planner's looks_first), the engine inserts the prompt before the prefill
+    src = NgramSource(small(scope="shared"))
+    src.add_request("eager", prompt)
+    src.insert_prompt("eager")
+    assert not src._queued and src._requests["eager"].prompt_windows is None

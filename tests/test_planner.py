@@ -714,7 +714,7 @@ def test_new_requests_look_the_matches_up_where_recent_new_requests_lookups_paid
     """A request that has not drafted yet, alone in its batch, looks the matches up by what recent such requests'
     lookups gave: where their first drafting rounds got nothing from them it skips (every FIRST_RECHECK-th still
     looks); once rounds without the drafter ride on matches (replayed answers), new requests look again. In a
-    batch of several, new requests always look."""
+    batch of several, new requests always look. ``looks_first`` foresees the decision without taking it."""
     from glance_sgl.planner import Plan
 
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
@@ -722,13 +722,18 @@ def test_new_requests_look_the_matches_up_where_recent_new_requests_lookups_paid
     planner.lookups_all.add(0.0, 0.0, 10.0, 1.0)
     for _ in range(3):  # grounded answers: the drafter's first rounds commit 10 tokens, none only the matches'
         planner.lookups_first.add(0.0, 0.0, 10.0, FIRST_TREND)
-    looks = [planner.cheap_rows([f"new{i}"], 16)[0] for i in range(2 * FIRST_RECHECK)]
+    looks, foreseen = [], []
+    for i in range(2 * FIRST_RECHECK):
+        foreseen.append(planner.looks_first())  # what the embedded engine asks before the prefill
+        looks.append(planner.cheap_rows([f"new{i}"], 16)[0])
     assert looks.count(16) == 2 and looks.count(1) == 2 * FIRST_RECHECK - 2
+    assert foreseen == [n > 1 for n in looks], "looks_first foresees the first round's lookup"
     # in a batch of several, new requests look all the same (a skip could make the batch pay the drafter pass)
     assert planner.cheap_rows([f"batch{i}" for i in range(4)], 16) == [16] * 4
     for i in range(3):  # replayed answers: the matches' rounds carry them without the drafter
         planner.report(RoundReport([f"replay{i}"], Plan(7, [8.0], drafted=False, raw_accept=[7.0]), 8, [7], None,
                                    None, [0.01], cheap_ms=0.5))
+    assert planner.looks_first()
     assert [planner.cheap_rows([f"next{i}"], 16)[0] for i in range(2 * FIRST_RECHECK)] == [16] * 2 * FIRST_RECHECK
 
 
