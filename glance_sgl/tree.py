@@ -442,18 +442,45 @@ def merge_trees(trees: Sequence[DraftTree], rows: int | Sequence[int], max_depth
     if any(t.batch_size != bs for t in trees):
         raise ValueError(f"trees of different batch sizes: {[t.batch_size for t in trees]}")
     budgets = _rows_per_request(rows, bs)
-    lists = [(t.tokens.tolist(), t.parents.tolist(), t.scores.float().tolist(), t.source_tags().tolist())
-             for t in trees]
+    lists = [(t.tokens.tolist(), t.parents.tolist(), t.scores.float().tolist(), t.source_tags().tolist(),
+              t.depths.tolist()) for t in trees]
     packed = []
     for b in range(bs):
         root = lists[0][0][b][0]
-        if any(tok[b][0] != root for tok, _, _, _ in lists):
-            raise ValueError(f"request {b}: the trees have different roots {[tok[b][0] for tok, _, _, _ in lists]}")
+        if any(tok[b][0] != root for tok, *_ in lists):
+            raise ValueError(f"request {b}: the trees have different roots {[tok[b][0] for tok, *_ in lists]}")
+        proposing = [tree for tree in lists if any(t != SOURCE_NONE for t in tree[3][b][1:])]
+        alone = _best_first_prefix(proposing[0], b, budgets[b], max_depth) if len(proposing) == 1 else None
+        if alone is not None:  # one source proposed for this request: its rows as they are
+            packed.append(alone)
+            continue
         trie = CandidateTrie(root)
-        for tok, par, sco, tag in lists:
+        for tok, par, sco, tag, _ in lists:
             trie.add_tree(tok[b], par[b], sco[b], tag[b], max_depth)
         packed.append(trie.best_first(budgets[b] - 1))
     return pack_trees(packed, trees[0].tokens.device)
+
+
+def _best_first_prefix(tree: tuple[list, list, list, list, list], b: int, rows: int, max_depth: int | None
+                       ) -> tuple[list[int], list[int], list[int], list[float], list[int]] | None:
+    """Request ``b``'s first ``rows`` rows of one packed tree (tokens, parents, scores, tags, depths lists), as
+    ``CandidateTrie.best_first`` would pack that tree alone, without the trie: where its nodes come first, then
+    only padding (``SOURCE_NONE``), every node lies within ``max_depth`` one level below an earlier row, and scores
+    never increase in row order (a best-first tree: the frontier walk then pops the rows in order). None where the
+    tree is not such a tree (the trie merges it)."""
+    tok, par, sco, tag, dep = (field[b] for field in tree)
+    n = len(tok)
+    while n > 1 and tag[n - 1] == SOURCE_NONE:
+        n -= 1
+    top = float("inf") if max_depth is None else max_depth
+    prev = 0.0
+    for r in range(1, n):
+        p, s = par[r], sco[r]
+        if tag[r] == SOURCE_NONE or not 0 <= p < r or dep[r] != dep[p] + 1 or dep[r] > top or s != s or s > prev:
+            return None
+        prev = s
+    k = min(rows, n)
+    return tok[:k], [-1] + par[1:k], [0] + dep[1:k], [0.0] + sco[1:k], [SOURCE_NONE] + tag[1:k]
 
 
 def accepted_per_source(tree: DraftTree, accepted_rows: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -33,6 +33,7 @@ from glance_sgl.tree import (
     topk_per_offset,
     tree_pointers,
 )
+from glance_sgl.round import only_requests
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
 
@@ -263,6 +264,42 @@ def test_merge_is_the_best_prefix_closed_part_of_the_union(seed):
             if kept:
                 left = [s for p, (s, _) in union.items() if p not in kept]
                 assert not left or max(left) <= min(s for s, _ in kept.values()) + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_of_one_proposing_source_equals_the_trie_merge(seed):
+    """Where one source alone proposes for a request (the others root-only, or untagged), ``merge_trees`` packs that
+    tree's rows without a trie: the same rows, scores and tags as the trie's best-first walk, ties and the depth
+    cap included, and trees that are not best-first (shuffled scores, padding between nodes) still go through it."""
+    from glance_sgl.tree import CandidateTrie
+
+    def trie_merge(trees, rows, max_depth):
+        packed = []
+        for b in range(trees[0].batch_size):
+            trie = CandidateTrie(int(trees[0].tokens[b, 0]))
+            for t in trees:
+                trie.add_tree(t.tokens[b].tolist(), t.parents[b].tolist(), t.scores[b].float().tolist(),
+                              t.source_tags()[b].tolist(), max_depth)
+            packed.append(trie.best_first(rows - 1))
+        return pack_trees(packed)
+
+    rng = random.Random(seed)
+    bs, depth = 4, 6
+    values, ids = random_topk(bs, depth, 3, vocab=6, seed=seed)
+    if seed % 2:  # ties: equal log-probabilities among siblings and across depths
+        values = values.round(decimals=0)
+    roots = torch.tensor([rng.randrange(6) for _ in range(bs)])
+    drafter = build_tree(values, ids, roots, budget=30)
+    acc = SourceAcceptance(max_depth=depth)
+    ngram = only_requests(random_path_tree(rng, roots.tolist(), 6, paths=5, depth=depth, acceptance=acc),
+                          [b % 2 == 0 for b in range(bs)])  # requests 1 and 3: the drafter alone
+    shuffled = DraftTree(drafter.tokens, drafter.parents, drafter.depths,
+                         drafter.scores[:, torch.randperm(drafter.num_rows)].clone(), drafter.source_tags())
+    for trees in ([drafter, ngram], [ngram, drafter], [drafter], [shuffled, ngram], [ngram]):
+        for rows, cap in ((1, None), (7, None), (31, None), (40, 3), (12, 2)):
+            fast, slow = merge_trees(trees, rows, cap), trie_merge(trees, rows, cap)
+            for name in ("tokens", "parents", "depths", "scores", "sources"):
+                assert torch.equal(getattr(fast, name), getattr(slow, name)), (name, rows, cap)
 
 
 def test_merge_pads_per_request_budgets_and_caps_depth():
