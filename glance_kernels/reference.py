@@ -143,10 +143,9 @@ def compact_kv(
     dst = kv_slots(page_table, page_size, prefix + cols)
     if rows.device.type == "cpu":  # no device to sync: copy only the rows that move (most stay where they are)
         move = valid & (rows != cols)
-        if bool(move.any()):
-            src, dst = src[move], dst[move]
-            for cache in caches:
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+        src, dst = src[move], dst[move]
+        for cache in caches:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
         return prefix_lens.long() + valid.sum(-1)
     # fixed shapes (no boolean indexing, which syncs a device): padding columns copy slot 0 onto itself, rows
     # already in place copy onto themselves
