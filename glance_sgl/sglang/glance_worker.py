@@ -801,8 +801,11 @@ class SGLangRows:
                                      if r >= 0):
             return
         kv = w.token_to_kv_pool_allocator.get_kvcache()
+        # the slot table's columns up to the widest verify window, not whole rows (bs x context length a step)
+        table = w.req_to_token_pool.req_to_token
+        limit = min(max(self.seq_lens_cpu) + tree.num_rows, table.shape[1])
         glance_kernels.compact_kv(list(kv.k_buffer) + list(kv.v_buffer),
-                                  w.req_to_token_pool.req_to_token[self.batch.req_pool_indices.long()], 1,
+                                  table[self.batch.req_pool_indices.long(), :limit], 1,
                                   self.batch.seq_lens.long(), walk.accepted_rows.to(w.device))
 
     def drop(self, tree: DraftTree) -> None:
