@@ -361,7 +361,7 @@ class NgramSource:
         while the caller goes on (the embedded engine: before the request's prefill). Else it goes in before the
         request's first own lookup (:meth:`_own_ready`)."""
         req = self._requests.get(rid)
-        if req is not None and req.prompt_windows is not None:
+        if req is not None:
             self._own_ready(req)
             self._flush(req.own.corpus)
 
@@ -567,11 +567,12 @@ class NgramSource:
             corpus = self._cross(key, create=False)
             if corpus is not None:
                 queries += [_Query(live[i], corpus, str(rids[live[i]]), reqs[i].tail, reqs[i].total) for i in members]
-        own = [_Query(b, req.own.corpus, str(rids[b]), _in_namespace(req.tail, req.offset), req.total,
-                      offset=req.offset)
-               for b, req in zip(live, reqs) if req.starts is None or req.tail[-1] in req.starts]
-        for q in own:
-            self._own_ready(self._requests[rids[q.b]])
+        own = []
+        for b, req in zip(live, reqs):
+            if req.starts is None or req.tail[-1] in req.starts:
+                self._own_ready(req)  # its prompt goes in before its first own lookup
+                own.append(_Query(b, req.own.corpus, str(rids[b]), _in_namespace(req.tail, req.offset), req.total,
+                                  offset=req.offset))
         for i, q in enumerate(queries + own):
             q.order = (i,)
         if not queries:  # scope off: the own corpora alone

@@ -6,16 +6,18 @@ The earlier commit's ``glance_sgl`` is exported with ``git archive`` into a temp
 another name (``glance_base``), so both engines load the same bundled checkpoints side by side. For every task
 and prompt the methods run back to back in an order that rotates from prompt to prompt: this checkout's AR path,
 GLANCE (planner auto), GLANCE (fixed tree), GLANCE with the drafter and n-gram matches merged (``merged``), and the
-earlier commit's AR path, GLANCE and width-1 chain (and its merged sources, ``base_merged``, where it has them). Each GLANCE speedup is over its own engine's AR path, and so is
-each lossless check ("lossless": this checkout's GLANCE runs against its AR path; "(base)": the earlier commit's
-GLANCE against its AR path). The earlier commit's AR path may answer
-some prompts differently from this one's (its prompt preparation), which is reported as ``base_ar_matches_ar``.
+earlier commit's AR path, GLANCE and width-1 chain (and its merged sources, ``base_merged``, where it has them).
+Each GLANCE speedup is over its own engine's AR path, and so is each lossless check ("lossless": this checkout's
+GLANCE runs against its AR path; "(base)": the earlier commit's GLANCE against its AR path). The earlier commit's AR
+path may answer some prompts differently from this one's (its prompt preparation), which is reported as
+``base_ar_matches_ar``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import sys
@@ -78,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         "base_glance": lambda m: old.generate(m, old_params, mode="glance"),
         "base_chain": lambda m: old.generate(m, old_params, mode="chain"),
     }
-    import inspect
-
     if "draft_sources" in inspect.signature(base_engine_mod.GlanceEngine.__init__).parameters:
         old_merged = base_engine_mod.GlanceEngine(old.target, old.drafter, budget=old.budget, branch_k=old.branch_k,
                                                   mode="glance", max_nodes=old.max_nodes,
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             same_base[task] += int(out["base_glance"].token_ids == out["base_ar"].token_ids)
     report: dict = {"commit": args.commit, "limit": args.limit, "max_tokens": args.max_tokens,
                     "clock": "process CPU time, 1 thread" if args.cpu_clock else "wall", "tasks": {}}
-    shown = ("auto", "fixed", "merged", "base_glance", "base_chain") + (("base_merged",) if "base_merged" in runs else ())
+    shown = ("auto", "fixed", "merged", "base_glance", "base_chain") + tuple(n for n in ("base_merged",) if n in runs)
     print(f"{'task':>9} | {'AR ms/tok':>9} | " + " | ".join(f"{n + ' x':>13} {'tau':>5} {'rc':>5}" for n in shown)
           + " | lossless (base)")
     for task in tasks:

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from glance_sgl.round import only_requests
 from glance_sgl.tree import (
     CONTEXT_ON_TRACK,
     SOURCE_BOTH,
@@ -33,7 +34,6 @@ from glance_sgl.tree import (
     topk_per_offset,
     tree_pointers,
 )
-from glance_sgl.round import only_requests
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
 

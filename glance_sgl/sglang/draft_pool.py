@@ -158,7 +158,6 @@ def _add_draft_cell(result: Any, configurator: Any, kvc: Any, *args: Any, **kwar
     from sglang.srt.runtime_context import get_spec
 
     from . import ALGORITHM
-
     from .settings import WorkerSettings
 
     algo = getattr(kvc, "spec_algorithm", None)
