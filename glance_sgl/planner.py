@@ -3,11 +3,12 @@
 Engine-agnostic (torch and numbers; no Hugging Face or SGLang types). ``glance_sgl.round`` calls it the same way
 for both engines, once per round (a batch of one in the embedded engine, SGLang's batch in the worker):
 
-1. before any candidate source runs, :meth:`Planner.gate` says whether drafting pays this round for a batch, from
-   signals that cost nothing: each request's *lead entropy* (the entropy, nats, of the target distribution that
-   produced the round's root token; the planner computed it from the previous round's report) through an online
-   entropy table, scaled by the request's own recent yield; a request that stopped drafting is probed again after
-   a back-off interval;
+1. before the drafter runs, :meth:`Planner.draft_mask` says for which requests of the batch drafting pays this
+   round (the drafter pass costs by the requests it drafts for; a request whose drafting is off verifies the
+   round without it in the same target pass), from signals that cost nothing: each request's *lead entropy* (the entropy, nats, of the
+   target distribution that produced the round's root token; the planner computed it from the previous round's
+   report) through an online entropy table, scaled by the request's own recent yield; a request that stopped
+   drafting is probed again after a back-off interval;
 2. after the drafter pass, :meth:`Planner.choose` picks the number of nodes ``n`` (0 = the root alone) that
    maximises expected committed tokens per millisecond. A best-first tree of budget ``n`` is the first ``n`` nodes
    of the best-first tree of any larger budget, so one tree of the largest budget gives every candidate: node i's
@@ -160,9 +161,11 @@ class CostModel:
     def ar_ms(self, batch: int = 1) -> float:
         return self.verify_ms(1, batch)
 
-    def round_ms(self, nodes: int, batch: int = 1) -> float:
-        """A drafting round verifying ``nodes`` nodes per request (0 nodes still pays the drafter pass)."""
-        return self.draft_ms(batch) + self.verify_ms(nodes + 1, batch) + self.overhead_ms
+    def round_ms(self, nodes: int, batch: int = 1, draft_batch: int | None = None) -> float:
+        """A drafting round verifying ``nodes`` nodes per request of ``batch`` (0 nodes still pays the drafter pass),
+        the drafter drafting for ``draft_batch`` of them (default: all)."""
+        return self.draft_ms(batch if draft_batch is None else draft_batch) + self.verify_ms(nodes + 1, batch) \
+            + self.overhead_ms
 
     @staticmethod
     def _refine(xs: list[int], ys: list[float], x: float, ratio: float) -> None:
@@ -201,16 +204,16 @@ class CostModel:
             self.overhead_ms += ONLINE_RATE * (min(ms, 4 * self.overhead_ms + 1.0) - self.overhead_ms)
 
     def observe_round(self, rows: int, batch: int, drafted: bool, drafter_ms: float, pass_ms: float,
-                      host_ms: float) -> None:
+                      host_ms: float, draft_batch: int | None = None) -> None:
         """One round's measured parts (ms): a drafting round refines the target-pass curve at ``rows`` per request,
-        the drafter pass at ``batch`` and the host overhead; a one-row round without the drafter is an AR step,
-        whose host work (the choice, the drafter's deferred context) is part of what an AR step costs
-        (:meth:`observe_ar`); a tree of other sources alone (n-gram matches) refines the pass curve and the
-        overhead."""
+        the drafter pass at ``draft_batch`` (the requests it drafted for; default ``batch``) and the host overhead;
+        a one-row round without the drafter is an AR step, whose host work (the choice, the drafter's deferred
+        context) is part of what an AR step costs (:meth:`observe_ar`); a tree of other sources alone (n-gram
+        matches) refines the pass curve and the overhead."""
         if drafted or rows > 1:
             self.observe_verify(rows, batch, pass_ms)
             if drafted:
-                self.observe_draft(batch, drafter_ms)
+                self.observe_draft(batch if draft_batch is None else draft_batch, drafter_ms)
             self.observe_overhead(host_ms)
         else:
             self.observe_ar(batch, pass_ms, host_ms)
@@ -641,6 +644,14 @@ class Plan:
     # a round without the drafter (``skip``): whether its lead entropies are kept for the next gate (False while
     # every request of the batch has its drafting off: the round need not compute them)
     keeps_leads: bool = True
+    # a drafting round: the requests the drafter drafted for (``Planner.draft_mask``); None: every one
+    drafted_mask: list[bool] | None = None
+
+    def drafted_for(self, bs: int) -> list[bool]:
+        """Per request of the batch (``bs``), whether the drafter drafted for it this round."""
+        if not self.drafted:
+            return [False] * bs
+        return [True] * bs if self.drafted_mask is None else list(self.drafted_mask)
 
 
 @dataclass
@@ -868,15 +879,25 @@ class Planner:
         return RIVAL_SLACK * (1.0 + alone) / rival_ms > tokens / round_ms
 
     def gate(self, rids: Sequence[object], alternative: "Plan | None" = None) -> bool:
-        """Whether this batch runs the drafter, from each request's lead entropy and record. Cheap: no tensor
-        work. Counts a probe as drafting. ``alternative``: the round without the drafter that the other sources'
-        candidates allow (:meth:`choose` with ``drafter_ran=False``); None: an AR step."""
+        """Whether the drafter runs this round for any request of the batch (:meth:`draft_mask`)."""
+        return any(self.draft_mask(rids, alternative))
+
+    def draft_mask(self, rids: Sequence[object], alternative: "Plan | None" = None) -> list[bool]:
+        """Per request of ``rids``, whether the drafter drafts for it this round, from each request's lead entropy
+        and record. Cheap: no tensor work. Counts a probe as drafting. ``alternative``: the round without the
+        drafter that the other sources' candidates allow (:meth:`choose` with ``drafter_ran=False``); None: an AR
+        step. A probe drafts for the whole batch; otherwise the requests whose drafting is on draft where what they
+        are expected to add pays for the round, the drafter pass priced at their number (it costs by the requests
+        it drafts for: on a CPU about 0.8 ms a request at 16 in flight). Those whose drafting is off (paused, held
+        back) verify the round without the drafter in the same target pass."""
+        bs = len(rids)
         if self.mode == "fixed":
-            return True
+            return [True] * bs
         if self.mode == "off":
-            return False
+            return [False] * bs
         states = [self.state(r) for r in rids]
         leads = [self.leads.get(r) for r in rids]
+        other, round_ms, rate = self._stakes(states, alternative)
         due = [b for b, st in enumerate(states) if st.probe_due]
         # a probe: a request's drafting may pay (again); the tree size still gets chosen. In a batch the whole
         # batch pays for it, so a probe waits until half the batch's are due (or an explorer's is), unless the
@@ -888,17 +909,23 @@ class Planner:
         # its matches cover little of the block (where they do, the drafter has little to show, and the batch's
         # drafter pass would be paid for one request's look: at 16 in flight about half a target pass)
         if due:
-            other, round_ms, rate = self._stakes(states, alternative)
-            need = self.margin * rate * round_ms / len(states) - sum(other) / len(states)
+            need = self.margin * rate * round_ms / bs - sum(other) / bs
             worth = [b for b in due if self.rival_bin(other[b]) == 0 or states[b].ar_streak >= MAX_PROBE_INTERVAL
                      or states[b].exploring or PROBE_OPTIMISM
                      * self.gain_table(other[b]).expected(leads[b] if leads[b] is not None else 0.0) >= need]
-            if worth and (2 * len(worth) >= len(states)
+            if worth and (2 * len(worth) >= bs
                           or any(states[b].exploring and self.rival_bin(other[b]) == 0 for b in worth)):
-                return True
-        if all(st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, len(states)))):
-            return False
-        return self._pays(rids, leads, states, alternative)
+                return [True] * bs
+        off = [st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, bs))]
+        if all(off):
+            return [False] * bs
+        # the requests whose drafting is on, priced with the drafter pass at their number
+        on = [b for b in range(bs) if not off[b]]
+        tokens = sum(other) + sum(self.predicted_accept(rids[b], leads[b], rival_tokens=other[b]) for b in on)
+        ms = round_ms + self.costs.draft_ms(len(on)) - self.costs.draft_ms(bs)
+        if not tokens / ms > self.margin * rate:
+            return [False] * bs
+        return [not o for o in off]
 
     @staticmethod
     def _rivals(alternative: "Plan | None", bs: int) -> list[float]:
@@ -923,17 +950,6 @@ class Planner:
             rate = bs / self.costs.ar_ms(bs)
         return other, self.costs.round_ms(ref, bs), rate
 
-    def _pays(self, rids: Sequence[object], lead_entropies: Sequence[float | None],
-              states: Sequence[RequestPlanState], alternative: "Plan | None" = None) -> bool:
-        """Whether the batch's expected tokens per ms of a drafting round beat the round without the drafter
-        (``alternative``, else an AR step) by ``margin`` (:meth:`_stakes`). A drafting round also verifies the
-        alternative's candidates, and the record holds what the drafter added over them (``RoundReport.alone``),
-        so each request expects the alternative's tokens plus that."""
-        other, round_ms, rate = self._stakes(states, alternative)
-        expected = sum(o + self.predicted_accept(r, h, rival_tokens=o)
-                       for r, h, o in zip(rids, lead_entropies, other))
-        return expected / round_ms > self.margin * rate
-
     def skip(self, rids: Sequence[object], alternative: "Plan | None" = None) -> Plan:
         """Record a round without drafting (an AR step, or the round of ``alternative``, for every request of the
         batch). A request that was drafting is paused: it drafts again when a probe pays, or, where it gave way to
@@ -947,6 +963,7 @@ class Planner:
                 st.paused, st.probe_interval = True, MIN_PROBE_INTERVAL
                 st.yielded = self.rival_bin(o) > 0
         return Plan(0, [1.0] * len(rids), drafted=False, keeps_leads=not self._leads_unread(rids))
+
 
     def _leads_unread(self, rids: Sequence[object]) -> bool:
         """Whether no gate reads these requests' lead entropies after a round without the drafter: the planner is
@@ -987,14 +1004,18 @@ class Planner:
         return out
 
     def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor,
-               sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan:
+               sources: torch.Tensor | None = None, drafter_ran: bool = True,
+               drafted: Sequence[bool] | None = None) -> Plan:
         """The tree size for this batch after the candidate sources ran (the same for every request of the batch).
         ``sources``: the candidates' source tags (None: the drafter's tree); ``drafter_ran``: False for candidates
         of sources without a model pass (n-gram matches alone): the round then costs no drafter pass, and the
-        drafter's own record (its tree-size correction, the size its gate weighs) is left alone."""
+        drafter's own record (its tree-size correction, the size its gate weighs) is left alone; ``drafted``: where
+        it ran, the requests it drafted for (:meth:`draft_mask`; None: all), the only ones whose record it
+        touches."""
         bs, rows = scores.shape
+        mask = None if not drafter_ran or drafted is None or all(drafted) else list(drafted)
         if rows == 1:  # nothing proposed (no n-gram match): the root alone, no tensor work
-            return Plan(0, [1.0] * bs, drafted=drafter_ran, raw_accept=[0.0] * bs)
+            return Plan(0, [1.0] * bs, drafted=drafter_ran, raw_accept=[0.0] * bs, drafted_mask=mask)
         limit = min(rows - 1, self.max_nodes)
         sources = None if sources is None else sources[:, : limit + 1]
         # without the drafter's pass the candidates hold none of its nodes: nothing to calibrate, no tree ratio;
@@ -1002,7 +1023,7 @@ class Planner:
         # plans on host copies of the candidates: not a device read)
         raw_host = self._accept_curves(scores[:, : limit + 1], depths[:, : limit + 1], sources, drafter_ran)
         if drafter_ran:
-            ratios = [self.state(r).tree_ratio for r in rids]
+            ratios = [self.state(r).tree_ratio if mask is None or mask[b] else 1.0 for b, r in enumerate(rids)]
             curve_host = [[1.0 + x * q for x in row] for row, q in zip(raw_host, ratios)]
         else:
             curve_host = [[1.0 + x for x in row] for row in raw_host]
@@ -1010,7 +1031,8 @@ class Planner:
         if self.mode == "fixed":
             n = min(self.fixed_nodes, limit)
         else:
-            draft = (self.costs.draft_ms(bs) if drafter_ran else 0.0) + self.costs.overhead_ms
+            drafts = bs if mask is None else sum(mask)
+            draft = (self.costs.draft_ms(drafts) if drafter_ran else 0.0) + self.costs.overhead_ms
             sizes = list(range(limit + 1)) if not self.row_menu else \
                 sorted({min(w - 1, limit) for w in self.row_menu if w >= 1})
             verify = self.costs.verify_ms_many([n + 1 for n in sizes], bs)
@@ -1019,9 +1041,11 @@ class Planner:
             best = max(rates)
             n = next(size for size, rate in zip(sizes, rates) if rate >= best / self.size_margin)
         if drafter_ran:
-            for r in rids:
-                self.state(r).last_nodes = n
-        return Plan(n, [row[n] for row in curve_host], drafted=drafter_ran, raw_accept=[row[n] for row in raw_host])
+            for b, r in enumerate(rids):
+                if mask is None or mask[b]:
+                    self.state(r).last_nodes = n
+        return Plan(n, [row[n] for row in curve_host], drafted=drafter_ran, raw_accept=[row[n] for row in raw_host],
+                    drafted_mask=mask)
 
     # ------------------------------------------------------------ step 3: feedback
     def report(self, report: RoundReport) -> None:
@@ -1048,7 +1072,7 @@ class Planner:
             self.leads.update(zip(report.rids, report.lead_entropies))
         if None not in (report.drafter_ms, report.pass_ms, report.host_ms):
             self.costs.observe_round(report.rows, report.batch, report.drafted, report.drafter_ms, report.pass_ms,
-                                     report.host_ms)
+                                     report.host_ms, sum(report.plan.drafted_for(report.batch)))
 
     def _observe_first_lookups(self, report: RoundReport) -> None:
         """A round without the drafter that looked the matches up: for each request that has not drafted yet, what
@@ -1088,7 +1112,8 @@ class Planner:
             self.depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens,
                                None if tags is None else tags == SOURCE_DRAFTER)
         bs = report.batch
-        round_ms = self.costs.round_ms(plan.nodes, bs)
+        mask = plan.drafted_for(bs)
+        round_ms = self.costs.round_ms(plan.nodes, bs, sum(mask))
         # the round drafting had to beat: the other sources' round, or an AR step
         rival = report.alternative if report.alternative is not None and report.alone is not None else None
         rival_ms = self.costs.ar_ms(bs) if rival is None else \
@@ -1097,9 +1122,13 @@ class Planner:
         rival_tokens = [1.0] * bs if rival is None else rival.expected_tokens
         raw = plan.raw_accept or [0.0] * bs
         cheap_only = [0] * bs if only is None else only.get(SOURCE_NGRAM, [0] * bs)
-        for r, h, a, s, o, pred, extra in zip(report.rids, lead_entropies, report.accepted, alone, rival_tokens, raw,
-                                              cheap_only):
+        for r, h, a, s, o, pred, extra, drafted in zip(report.rids, lead_entropies, report.accepted, alone,
+                                                       rival_tokens, raw, cheap_only, mask):
             st = self.state(r)
+            if not drafted:  # left out of the drafter's pass this round: not paused (the next gate weighs it again)
+                st.ar_streak += 1
+                st.decay()
+                continue
             a, s = float(a), float(s)
             if st.looked and only is not None and plan.nodes > 0:  # what its lookup added to this round
                 share = float(extra) / (1.0 + a)
@@ -1170,8 +1199,8 @@ class AlwaysDraft:
     def __init__(self, max_nodes: int) -> None:
         self.max_nodes = max_nodes
 
-    def gate(self, rids: Sequence[object], alternative: Plan | None = None) -> bool:
-        return True
+    def draft_mask(self, rids: Sequence[object], alternative: Plan | None = None) -> list[bool]:
+        return [True] * len(rids)
 
     def skip(self, rids: Sequence[object], alternative: Plan | None = None) -> Plan:
         return Plan(0, [1.0] * len(rids), drafted=False)
@@ -1185,7 +1214,8 @@ class AlwaysDraft:
     acceptance = None  # other sources score their nodes with their own priors
 
     def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor,
-               sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan:
+               sources: torch.Tensor | None = None, drafter_ran: bool = True,
+               drafted: Sequence[bool] | None = None) -> Plan:
         """Every proposed node; no prediction (``expected_tokens`` empty)."""
         return Plan(scores.shape[1] - 1, [], drafted=drafter_ran)
 
@@ -1203,8 +1233,8 @@ class AlwaysDraft:
 
 
 class RandomPlanner(Planner):
-    """A test policy: each batch drafts with probability 2/3 and then verifies a random number of nodes
-    (0 .. max), otherwise runs a plain AR step; seeded. Lossless must hold whatever a planner picks, since every
+    """A test policy: each batch drafts with probability 2/3 (for each of its requests with probability 3/4, at
+    least one) and then verifies a random number of nodes (0 .. max), otherwise runs a plain AR step; seeded. Lossless must hold whatever a planner picks, since every
     prefix of a best-first tree (the root alone included) is a valid tree. Feedback and costs are recorded as
     usual."""
 
@@ -1212,8 +1242,12 @@ class RandomPlanner(Planner):
         super().__init__(*args, **kwargs)
         self.rng = random.Random(seed)
 
-    def gate(self, rids, alternative: Plan | None = None) -> bool:
-        return self.rng.random() < 2 / 3
+    def draft_mask(self, rids, alternative: Plan | None = None) -> list[bool]:
+        if self.rng.random() >= 2 / 3:
+            return [False] * len(rids)
+        mask = [self.rng.random() < 3 / 4 for _ in rids]
+        mask[self.rng.randrange(len(rids))] = True
+        return mask
 
     def cheap_rows(self, rids, rows: int) -> list[int]:
         """Each request looks up the sources without a model pass with probability 3/4."""
@@ -1224,16 +1258,19 @@ class RandomPlanner(Planner):
         return [self.rng.random() < 3 / 4 for _ in rids]
 
     def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
-               drafter_ran: bool = True) -> Plan:
+               drafter_ran: bool = True, drafted: Sequence[bool] | None = None) -> Plan:
         limit = min(scores.shape[1] - 1, self.max_nodes)
         n = self.rng.randint(0, limit)
         tags = None if sources is None else sources[:, : n + 1]
         raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1], tags)[:, n]
+        mask = None if not drafter_ran or drafted is None or all(drafted) else list(drafted)
         if drafter_ran:
-            for r in rids:
-                self.state(r).last_nodes = n
+            for b, r in enumerate(rids):
+                if mask is None or mask[b]:
+                    self.state(r).last_nodes = n
         raw_host = raw.tolist()  # as Planner.choose's: lists of the host copy's numbers
-        return Plan(n, [1.0 + float(a) for a in raw_host], drafted=drafter_ran, raw_accept=raw_host)
+        return Plan(n, [1.0 + float(a) for a in raw_host], drafted=drafter_ran, raw_accept=raw_host,
+                    drafted_mask=mask)
 
 
 __all__ = ["CostModel", "Planner", "RandomPlanner", "AlwaysDraft", "Plan", "RoundReport", "PlannerMode", "PLANNER_MODES",

@@ -19,9 +19,10 @@ small adapters:
   row budget (``glance_sgl.tree.merge_trees``). So a round is, per the gate, the candidates and the configured
   sources: no draft (a plain AR step), n-gram candidates only, the drafter only, or merged;
 - the policy (:class:`glance_sgl.planner.Planner`, or ``AlwaysDraft`` for an ablation): ``cheap_rows`` (which
-  requests look up the sources without a model pass), ``gate``, ``skip``, ``merge_worth`` (whose matches join the
-  drafter's tree), ``choose`` and one ``report`` per round; it owns every per-request statistic, the lead entropy
-  included.
+  requests look up the sources without a model pass), ``draft_mask`` (for which requests the drafter drafts: the
+  others verify the cheap sources' candidates, or the root alone, in the same target pass), ``skip``,
+  ``merge_worth`` (whose matches join the drafter's tree), ``choose`` and one ``report`` per round; it owns every
+  per-request statistic, the lead entropy included.
 
 Lossless whatever the adapters and the policy pick: every prefix of a best-first tree (the root alone included) is
 a valid tree, and the walk (``glance_sgl.verify``) commits only the target's own choices.
@@ -40,7 +41,7 @@ import torch
 from .host_transfers import on_host
 from .metrics import entropy_tensor
 from .planner import CostModel, Plan, RoundReport, calibrate
-from .tree import SOURCE_DRAFTER, SOURCE_NONE, DraftTree, accepted_alone, merge_trees
+from .tree import SOURCE_DRAFTER, SOURCE_NONE, DraftTree, accepted_alone, merge_trees, spread_requests
 from .verify import SamplingSpec, WalkResult, verify_tree
 
 
@@ -68,7 +69,8 @@ class RoundBatch:
     of its tree); ``next_index`` [bs] long: the output index of the token after the root (the sampling noise's
     counter); ``specs``: each request's sampling; ``tokens``: each request's tokens so far (prompt + output), for
     sources that match on them (None where no source needs them); ``roots_host``: the roots as a host list where
-    the engine knows them without reading the device (else :meth:`host_roots` reads them once).
+    the engine knows them without reading the device (else :meth:`host_roots` reads them once); ``members``: the
+    requests' indices in the engine's batch where this is a part of it (:meth:`select`), None: the whole batch.
     """
 
     rids: Sequence[Hashable]
@@ -77,6 +79,19 @@ class RoundBatch:
     specs: Sequence[SamplingSpec]
     tokens: Sequence[Sequence[int]] | None = None
     roots_host: list[int] | None = None
+    members: list[int] | None = None
+
+    def select(self, members: Sequence[int]) -> "RoundBatch":
+        """The requests ``members`` (indices into this batch) as a batch of their own, for a source that
+        proposes for some requests only (the drafter, for those :meth:`RoundPolicy.draft_mask` picked); its
+        ``members`` index the engine's batch."""
+        members = list(members)
+        idx = torch.tensor(members, dtype=torch.long, device=self.roots.device)
+        outer = members if self.members is None else [self.members[b] for b in members]
+        return RoundBatch([self.rids[b] for b in members], self.roots[idx], self.next_index[idx],
+                          [self.specs[b] for b in members],
+                          None if self.tokens is None else [self.tokens[b] for b in members],
+                          None if self.roots_host is None else [self.roots_host[b] for b in members], outer)
 
     def host_roots(self) -> list[int]:
         """``roots`` as a host list (read once per round, where the engine did not hand them over)."""
@@ -129,7 +144,8 @@ class CandidateSource(Protocol):
 
     def propose(self, batch: RoundBatch, rows: int | Sequence[int]) -> DraftTree:
         """Candidate trees [bs, <= rows] (row 0 the root), best-first: every prefix is a tree. ``rows``: one
-        budget for the batch, or one per request (sources without a model pass: 1 = no lookup for it)."""
+        budget for the batch, or one per request (sources without a model pass: 1 = no lookup for it). A source
+        with a model pass may be asked for part of the engine's batch (``batch.members``)."""
 
     def commit(self, batch: RoundBatch, taps: torch.Tensor, walk: WalkResult) -> None:
         """What the round committed (``walk``: root + accepted rows of the pass whose tap features are ``taps``
@@ -142,7 +158,7 @@ class RoundPolicy(Protocol):
     max_nodes: int
     speculates: bool  # False: no source proposes (every round a plain AR step)
 
-    def gate(self, rids: Sequence[Hashable], alternative: Plan | None = None) -> bool: ...
+    def draft_mask(self, rids: Sequence[Hashable], alternative: Plan | None = None) -> list[bool]: ...
 
     def skip(self, rids: Sequence[Hashable], alternative: Plan | None = None) -> Plan: ...
 
@@ -151,7 +167,8 @@ class RoundPolicy(Protocol):
     def merge_worth(self, rids: Sequence[Hashable], alternative: Plan) -> list[bool]: ...
 
     def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor,
-               sources: torch.Tensor | None = None, drafter_ran: bool = True) -> Plan: ...
+               sources: torch.Tensor | None = None, drafter_ran: bool = True,
+               drafted: Sequence[bool] | None = None) -> Plan: ...
 
     def report(self, report: RoundReport) -> None: ...
 
@@ -222,6 +239,12 @@ def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int | S
     return one_tree([s.propose(batch, rows) for s in sources], rows, max_depth)
 
 
+def agree_mask(target: TargetRows, mask: Sequence[bool]) -> list[bool]:
+    """``mask`` as every rank takes it (rank 0's; :meth:`TargetRows.agree` of its bits as one int)."""
+    bits = target.agree(sum(1 << b for b, m in enumerate(mask) if m))
+    return [bool(bits >> b & 1) for b in range(len(mask))]
+
+
 def only_requests(tree: DraftTree, keep: Sequence[bool]) -> DraftTree:
     """``tree`` with the nodes of the requests not in ``keep`` [bs] untagged (``SOURCE_NONE``: a merge leaves them
     out; the tree itself as it is where every request is kept)."""
@@ -274,20 +297,26 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         alternative = None if fallback is None else planner.choose(batch.rids, fallback.scores, fallback.depths,
                                                                    fallback.sources, drafter_ran=False)
     cheap_s = time.perf_counter() - t0
-    # 2. gate: does the drafter's pass pay for this batch now, over that round? (every rank takes rank 0's answer)
-    drafting = bool(drafters) and bool(target.agree(int(planner.gate(batch.rids, alternative))))
+    # 2. gate: for which requests does the drafter's pass pay now, over that round? (every rank takes rank 0's)
+    mask = agree_mask(target, planner.draft_mask(batch.rids, alternative)) if drafters else [False] * batch.size
+    drafting = any(mask)
     keeps_leads = True  # whether the planner keeps this round's lead entropies (a drafting round's: always)
     if drafting:
-        # 3. the drafter's candidates (read back once) merged with the others, and how many rows of them to verify
-        trees = [d.propose(batch, rows) for d in drafters]
+        # 3. the drafter's candidates (read back once) merged with the others, and how many rows of them to verify;
+        #    the requests it does not draft for keep their matches (or the root alone) in the same pass
+        whole = all(mask)
+        members = [b for b, m in enumerate(mask) if m]
+        trees = [d.propose(batch, rows) for d in drafters] if whole else \
+            [spread_requests(d.propose(batch.select(members), rows), members, batch.roots) for d in drafters]
         hosts = [t.host_copy() for t in trees]
         tm = time.perf_counter()
         if fallback is not None:  # the matches of the requests where they are worth rows next to the drafter's
-            hosts.append(only_requests(fallback, planner.merge_worth(batch.rids, alternative)))
+            worth = planner.merge_worth(batch.rids, alternative)
+            hosts.append(only_requests(fallback, [w or not m for w, m in zip(worth, mask)]))
         with on_host():
             planned = one_tree(hosts, rows, max_depth)
             t1 = time.perf_counter()
-            plan = planner.choose(batch.rids, planned.scores, planned.depths, planned.sources, True)
+            plan = planner.choose(batch.rids, planned.scores, planned.depths, planned.sources, True, mask)
         cheap_s += t1 - tm if fallback is not None else 0.0
         candidates = trees[0] if len(hosts) == 1 else planned  # unmerged: the drafter's tree where it lies
     else:
@@ -381,4 +410,4 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
 __all__ = ["DRAFT_SOURCES", "DEFAULT_DRAFT_SOURCES", "check_draft_sources",
            "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
            "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose",
-           "one_tree", "only_requests"]
+           "one_tree", "only_requests", "agree_mask"]

@@ -493,6 +493,28 @@ def accepted_per_source(tree: DraftTree, accepted_rows: torch.Tensor) -> dict[in
     return {src: ((taken & src) != 0).sum(dim=1) for src in SOURCE_NAMES}
 
 
+def spread_requests(tree: DraftTree, members: Sequence[int], roots: torch.Tensor) -> DraftTree:
+    """The trees of some requests of a batch (``tree`` [k, R], those of ``members``, k indices into the batch) as
+    a tree of the whole batch [bs, R] (``roots`` [bs], each request's root token, on ``tree``'s device): the
+    other requests hold their root and padding rows (``pack_trees``'s: a child of the root carrying its token,
+    score -inf, ``SOURCE_NONE``), so a merge takes none of them and the walk commits only the target's choice
+    there. The members' nodes keep their tags (untagged: the drafter's)."""
+    bs, rows, dev = roots.shape[0], tree.num_rows, tree.tokens.device
+    idx = torch.tensor(list(members), dtype=torch.long, device=dev)
+    tokens = roots.to(dev, torch.long)[:, None].expand(bs, rows).clone()
+    parents = torch.zeros(bs, rows, dtype=torch.long, device=dev)
+    parents[:, 0] = -1
+    depths = torch.ones(bs, rows, dtype=torch.long, device=dev)
+    depths[:, 0] = 0
+    scores = torch.full((bs, rows), float("-inf"), dtype=torch.float32, device=dev)
+    scores[:, 0] = 0.0
+    tags = torch.full((bs, rows), SOURCE_NONE, dtype=torch.long, device=dev)
+    for out, part in ((tokens, tree.tokens), (parents, tree.parents), (depths, tree.depths),
+                      (scores, tree.scores.float()), (tags, tree.source_tags())):
+        out[idx] = part
+    return DraftTree(tokens, parents, depths, scores, tags)
+
+
 def accepted_alone(tree: DraftTree, committed_tokens: torch.Tensor) -> torch.Tensor:
     """[B] long: the drafted nodes a walk of ``tree`` alone would have accepted, given what a round over a larger
     tree committed (``committed_tokens`` [B, D+1], -1 padding: ``WalkResult.committed_tokens``): the depth of

@@ -499,8 +499,8 @@ def test_the_drafters_gain_is_learned_apart_where_the_matches_already_cover_the_
     planner.begin("new-fresh", 0.01)
     planner.state("new-replay").hold = planner.state("new-fresh").hold = 0
     assert planner.predicted_accept("new-replay", 0.01, rival_tokens=8.0) < 0.5
-    assert not planner._pays(["new-replay"], [0.01], [planner.state("new-replay")], matched)
-    assert planner._pays(["new-fresh"], [0.01], [planner.state("new-fresh")], None)
+    assert not planner.gate(["new-replay"], matched)
+    assert planner.gate(["new-fresh"], None)
     # a probe due over such matches is not worth a drafter pass (the gain table expects too little even at
     # PROBE_OPTIMISM times its value); with no match it runs
     for rid in ("new-replay", "new-fresh"):
@@ -509,6 +509,47 @@ def test_the_drafters_gain_is_learned_apart_where_the_matches_already_cover_the_
         assert st.probe_due
     assert not planner.gate(["new-replay"], matched)
     assert planner.gate(["new-fresh"], None)
+
+
+def test_a_request_whose_drafting_is_off_is_left_out_of_a_pass_the_others_use():
+    """In a batch whose drafting pays, a request whose drafting is paused (and no probe due) is left out of the
+    drafter's pass (which costs by the requests it drafts for): it verifies the round without the drafter in the
+    same target pass. The round's report counts a drafting round for the others only, leaves the paused one's
+    record as a round without the drafter, and learns the drafter pass's time at the subset's size."""
+    from glance_sgl.planner import Plan
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+    tree = random_tree(5, 15, sharp=8.0)
+    for i in range(40):  # the drafter adds 6 drafts a round where matches are missing
+        planner.begin(f"fresh{i}", 0.01)
+        plan = planner.choose([f"fresh{i}"], tree.scores, tree.depths)
+        planner.report(RoundReport([f"fresh{i}"], plan, plan.nodes + 1, [6], None, None, [0.01]))
+    rids = ["a", "paused", "b"]
+    for r in rids:
+        planner.begin(r, 0.01)
+        planner.state(r).hold = 0
+    st = planner.state("paused")
+    st.drafted_rounds, st.paused, st.ar_streak = 3, True, 0
+    assert not st.probe_due and st.drafting_off
+    assert planner.draft_mask(rids) == [True, False, True]
+    assert planner.gate(rids)
+    st.paused = False  # every request on: the whole batch
+    assert planner.draft_mask(rids) == [True, True, True]
+    st.paused = True
+    # the plan of that round: only the drafted requests' records move
+    plan = planner.choose(rids, tree.scores.expand(3, -1), tree.depths.expand(3, -1), drafted=[True, False, True])
+    assert plan.drafted and plan.drafted_for(3) == [True, False, True]
+    assert planner.state("a").last_nodes == plan.nodes and st.last_nodes < 0
+    before = {r: (planner.state(r).drafted_rounds, planner.state(r).ar_streak) for r in rids}
+    draft2 = planner.costs.draft_ms(2)
+    planner.report(RoundReport(rids, plan, plan.nodes + 1, [6, 1, 6], None, None, [0.01] * 3, drafter_ms=3.0,
+                               pass_ms=planner.costs.verify_ms(plan.nodes + 1, 3), host_ms=0.1))
+    assert [planner.state(r).drafted_rounds for r in rids] == [before["a"][0] + 1, 3, before["b"][0] + 1]
+    assert st.ar_streak == before["paused"][1] + 1 and st.paused
+    # 3 ms measured where two requests' blocks were drafted: the curve moves most near two requests
+    assert planner.costs.draft_ms(2) / draft2 > planner.costs.draft_ms(8) / linear_costs(draft=0.6).draft_ms(8)
+    assert Plan(0, [1.0], drafted=False).drafted_for(2) == [False, False]
+    assert Plan(3, [1.0, 1.0]).drafted_for(2) == [True, True]
 
 
 def test_an_explorer_drafts_the_batch_at_once_only_where_its_matches_cover_little():
@@ -627,8 +668,8 @@ def test_the_gate_weighs_a_requests_matches_at_what_they_actually_gave():
         planner.begin("other", 0.01)
         planner.report(RoundReport(["other"], Plan(9, [9.0], drafted=True, raw_accept=[8.0]), 10, [5], None, None,
                                    [0.01], alternative=weak, alone=[2]))
-    assert planner._pays(["fresh"], [0.01], [fresh], weak)
-    assert not planner._pays(["replay"], [0.01], [st], weak)
+    assert planner.gate(["fresh"], weak)
+    assert not planner.gate(["replay"], weak)
 
 
 def test_merged_rounds_calibrate_the_drafter_on_its_own_nodes_only():

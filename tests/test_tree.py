@@ -31,6 +31,7 @@ from glance_sgl.tree import (
     max_tree_size,
     merge_trees,
     pack_trees,
+    spread_requests,
     topk_per_offset,
     tree_pointers,
 )
@@ -300,6 +301,42 @@ def test_merge_of_one_proposing_source_equals_the_trie_merge(seed):
             fast, slow = merge_trees(trees, rows, cap), trie_merge(trees, rows, cap)
             for name in ("tokens", "parents", "depths", "scores", "sources"):
                 assert torch.equal(getattr(fast, name), getattr(slow, name)), (name, rows, cap)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_drafter_pass_for_some_requests_spreads_over_the_batch(seed):
+    """The drafter's trees of part of a batch (``Planner.draft_mask``) spread over the whole batch: its requests keep
+    their rows (tagged as the drafter's), the others hold their root and padding that no merge takes, so merged with
+    the n-gram trees every request gets what the merge of its own sources gives, and the tree stays valid."""
+    rng = random.Random(seed)
+    bs, depth = 5, 5
+    roots = torch.tensor([rng.randrange(6) for _ in range(bs)])
+    members = sorted(rng.sample(range(bs), rng.randint(1, bs - 1)))
+    values, ids = random_topk(len(members), depth, 3, vocab=6, seed=seed)
+    part = build_tree(values, ids, roots[members], budget=20)
+    spread = spread_requests(part, members, roots)
+    assert spread.batch_size == bs and spread.num_rows == part.num_rows
+    check_tree_invariants(spread)
+    tags = spread.source_tags()
+    for j, b in enumerate(members):
+        for name in ("tokens", "parents", "depths", "scores"):
+            assert torch.equal(getattr(spread, name)[b], getattr(part, name)[j])
+        assert tags[b, 0] == SOURCE_NONE and bool((tags[b, 1:] == SOURCE_DRAFTER).all())
+    for b in set(range(bs)) - set(members):
+        assert spread.tokens[b].tolist() == [int(roots[b])] * part.num_rows
+        assert bool((tags[b] == SOURCE_NONE).all()) and bool(torch.isinf(spread.scores[b, 1:]).all())
+    ngram = random_path_tree(rng, roots.tolist(), 6, paths=4, depth=depth, acceptance=SourceAcceptance(depth))
+    merged = merge_trees([spread, ngram], 12)
+    idx = torch.tensor(members)
+    ours = merge_trees([part, DraftTree(*(getattr(ngram, n)[idx] for n in ("tokens", "parents", "depths", "scores",
+                                                                         "sources")))], 12)
+    alone = merge_trees([ngram], 12)
+    for b in range(bs):  # members: their drafter and n-gram trees merged; the others: their matches alone
+        ref, j = (ours, members.index(b)) if b in members else (alone, b)
+        w = int((ref.source_tags()[j] != SOURCE_NONE).sum()) + 1
+        for name in ("tokens", "parents", "depths", "sources"):
+            assert getattr(merged, name)[b, :w].tolist() == getattr(ref, name)[j, :w].tolist(), (b, name)
+    check_tree_invariants(merged)
 
 
 def test_merge_pads_per_request_budgets_and_caps_depth():

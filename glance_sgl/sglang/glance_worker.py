@@ -465,16 +465,23 @@ class GlanceWorker(BaseSpecWorker):
         prompt = torch.tensor([len(req.origin_input_ids) for req in batch.reqs], dtype=torch.long)
         return batch.seq_lens.long() - prompt.to(self.device, non_blocking=True) + 1
 
-    def draft_trees(self, batch: ScheduleBatch, seq_lens_cpu: list[int], roots: torch.Tensor) -> DraftTree:
-        """One drafter pass for every request's block over its context in the draft KV pool, and the best-first
-        trees at the largest budget (the embedded engine's CachedDrafter.propose)."""
+    def draft_trees(self, batch: ScheduleBatch, seq_lens_cpu: list[int], roots: torch.Tensor,
+                    members: list[int] | None = None) -> DraftTree:
+        """One drafter pass for the block of every request of the batch (or of ``members``, indices into it; ``roots``
+        [bs] or [len(members)]: theirs) over its context in the draft KV pool, and the best-first trees at the
+        largest budget (the embedded engine's CachedDrafter.propose)."""
+        pool_indices, seq_lens = batch.req_pool_indices, batch.seq_lens
+        if members is not None:
+            idx = torch.tensor(members, dtype=torch.long, device=seq_lens.device)
+            pool_indices, seq_lens = pool_indices[idx], seq_lens[idx]
+            seq_lens_cpu = [seq_lens_cpu[b] for b in members]
         longest = max(seq_lens_cpu)
         if self.draft_runner is not None and self.draft_runner.fits(len(seq_lens_cpu), longest):
-            return self.draft_runner.run(batch.req_pool_indices, batch.seq_lens, roots, longest)
+            return self.draft_runner.run(pool_indices, seq_lens, roots, longest)
         # the tree on device (Triton) without a host round trip; on the host the heap is the fastest
         build = glance_kernels.budget_tree if roots.is_cuda or self.device_step else build_tree
-        return draft_pass(self.drafter, self.draft_pool, self.req_to_token_pool.req_to_token, batch.req_pool_indices,
-                          batch.seq_lens, roots, longest, max_depth=self.max_depth, branch_k=self.branch_k,
+        return draft_pass(self.drafter, self.draft_pool, self.req_to_token_pool.req_to_token, pool_indices,
+                          seq_lens, roots, longest, max_depth=self.max_depth, branch_k=self.branch_k,
                           budget=self.budget, build=build)
 
     def _verify_pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
@@ -646,7 +653,8 @@ class GlanceWorker(BaseSpecWorker):
             rep = r.report
             logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s",
                            rep.batch, "-" if gap_ms is None else f"{gap_ms:.1f}ms",
-                           "draft" if r.drafted else "no_draft", rep.drafter_ms, r.tree.num_rows, rep.pass_ms,
+                           f"draft{sum(r.plan.drafted_for(rep.batch))}" if r.drafted else "no_draft", rep.drafter_ms,
+                           r.tree.num_rows, rep.pass_ms,
                            rep.host_ms, list(rep.accepted),
                            [None if (h := self.planner.lead_entropy(x)) is None else round(h, 2) for x in rep.rids])
 
@@ -830,8 +838,9 @@ class PoolDrafter:
         self.worker, self.batch, self.seq_lens_cpu = worker, batch, seq_lens_cpu
 
     def propose(self, batch: RoundBatch, rows: int) -> DraftTree:
-        """The best-first trees at the full budget (``rows`` is the worker's ``N``)."""
-        return self.worker.draft_trees(self.batch, self.seq_lens_cpu, batch.roots)
+        """The best-first trees at the full budget (``rows`` is the worker's ``N``) of ``batch``'s requests (the
+        step's, or those of ``batch.members``)."""
+        return self.worker.draft_trees(self.batch, self.seq_lens_cpu, batch.roots, batch.members)
 
     def commit(self, batch: RoundBatch, taps: torch.Tensor, walk: WalkResult) -> None:
         w = self.worker

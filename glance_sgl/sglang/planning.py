@@ -124,10 +124,10 @@ class BatchCostModel(CostModel):
         self.ar_host_ms = host_ms
 
     def observe_round(self, rows: int, batch: int, drafted: bool, drafter_ms: float, pass_ms: float,
-                      host_ms: float) -> None:
+                      host_ms: float, draft_batch: int | None = None) -> None:
         if drafted or rows > 1:
             self.ar_host_ms = 0.0
-        super().observe_round(rows, batch, drafted, drafter_ms, pass_ms, host_ms)
+        super().observe_round(rows, batch, drafted, drafter_ms, pass_ms, host_ms, draft_batch)
 
     def observe_gap(self, batch: int, ms: float) -> None:
         """The time between the end of one round and the start of the next (the scheduler's result processing and
