@@ -141,7 +141,6 @@ class GlanceWorker(BaseSpecWorker):
             raise ValueError(f"{type(target).__name__} cannot capture hidden states (no "
                              "set_eagle3_layers_to_capture); GLANCE needs the target's tap layers")
         captured = sorted(set(taps))  # SGLang captures each layer once, in layer order
-        target.set_eagle3_layers_to_capture(captured)
         self._tap_order = None if captured == taps else torch.tensor([captured.index(t) for t in taps])
         self._hidden = int(text_cfg.hidden_size)
         self.block_size = cfg.block_size
@@ -175,8 +174,11 @@ class GlanceWorker(BaseSpecWorker):
         # committed output and recent answers, one source per worker, proposed every step beside the drafter's tree
         self.draft_sources = self.settings.draft_sources
         # the target's tap features feed the drafter's context only: without the drafter among the sources no pass
-        # captures them (SGLang's capture costs ~0.2 ms of a CPU step; a graph captured with them still runs)
+        # captures them, and the target collects no tap layers at all (SGLang's capture costs ~0.2 ms of a CPU
+        # step; a graph captured with them still runs)
         self._capture = CaptureHiddenMode.FULL if "drafter" in self.draft_sources else CaptureHiddenMode.NULL
+        if self._capture == CaptureHiddenMode.FULL:
+            target.set_eagle3_layers_to_capture(captured)
         self.ngram: NgramCandidates | None = None
         self._vocab = int(self.model_runner.model_config.vocab_size)
         if "ngram" in self.draft_sources:
