@@ -1243,7 +1243,7 @@ class RandomPlanner(Planner):
         self.rng = random.Random(seed)
 
     def draft_mask(self, rids, alternative: Plan | None = None) -> list[bool]:
-        if self.rng.random() >= 2 / 3:
+        if not rids or self.rng.random() >= 2 / 3:
             return [False] * len(rids)
         mask = [self.rng.random() < 3 / 4 for _ in rids]
         mask[self.rng.randrange(len(rids))] = True
