@@ -5,10 +5,10 @@ for both engines, once per round (a batch of one in the embedded engine, SGLang'
 
 1. before the drafter runs, :meth:`Planner.draft_mask` says for which requests of the batch drafting pays this
    round (the drafter pass costs by the requests it drafts for; a request whose drafting is off verifies the
-   round without it in the same target pass), from signals that cost nothing: each request's *lead entropy* (the entropy, nats, of the
-   target distribution that produced the round's root token; the planner computed it from the previous round's
-   report) through an online entropy table, scaled by the request's own recent yield; a request that stopped
-   drafting is probed again after a back-off interval;
+   round without it in the same target pass), from signals that cost nothing: each request's *lead entropy*
+   (the entropy, nats, of the target distribution that produced the round's root token; the planner computed it
+   from the previous round's report) through an online entropy table, scaled by the request's own recent yield;
+   a request that stopped drafting is probed again after a back-off interval;
 2. after the drafter pass, :meth:`Planner.choose` picks the number of nodes ``n`` (0 = the root alone) that
    maximises expected committed tokens per millisecond. A best-first tree of budget ``n`` is the first ``n`` nodes
    of the best-first tree of any larger budget, so one tree of the largest budget gives every candidate: node i's
@@ -897,7 +897,7 @@ class Planner:
             return [False] * bs
         states = [self.state(r) for r in rids]
         leads = [self.leads.get(r) for r in rids]
-        other, round_ms, rate = self._stakes(states, alternative)
+        stakes = None  # (other, round_ms, rate): weighed only where a probe is due or some request drafts
         due = [b for b, st in enumerate(states) if st.probe_due]
         # a probe: a request's drafting may pay (again); the tree size still gets chosen. In a batch the whole
         # batch pays for it, so a probe waits until half the batch's are due (or an explorer's is), unless the
@@ -909,6 +909,7 @@ class Planner:
         # its matches cover little of the block (where they do, the drafter has little to show, and the batch's
         # drafter pass would be paid for one request's look: at 16 in flight about half a target pass)
         if due:
+            other, round_ms, rate = stakes = self._stakes(states, alternative)
             need = self.margin * rate * round_ms / bs - sum(other) / bs
             worth = [b for b in due if self.rival_bin(other[b]) == 0 or states[b].ar_streak >= MAX_PROBE_INTERVAL
                      or states[b].exploring or PROBE_OPTIMISM
@@ -919,6 +920,7 @@ class Planner:
         off = [st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, bs))]
         if all(off):
             return [False] * bs
+        other, round_ms, rate = stakes or self._stakes(states, alternative)
         # the requests whose drafting is on, priced with the drafter pass at their number
         on = [b for b in range(bs) if not off[b]]
         tokens = sum(other) + sum(self.predicted_accept(rids[b], leads[b], rival_tokens=other[b]) for b in on)
@@ -963,7 +965,6 @@ class Planner:
                 st.paused, st.probe_interval = True, MIN_PROBE_INTERVAL
                 st.yielded = self.rival_bin(o) > 0
         return Plan(0, [1.0] * len(rids), drafted=False, keeps_leads=not self._leads_unread(rids))
-
 
     def _leads_unread(self, rids: Sequence[object]) -> bool:
         """Whether no gate reads these requests' lead entropies after a round without the drafter: the planner is
@@ -1013,7 +1014,7 @@ class Planner:
         it ran, the requests it drafted for (:meth:`draft_mask`; None: all), the only ones whose record it
         touches."""
         bs, rows = scores.shape
-        mask = None if not drafter_ran or drafted is None or all(drafted) else list(drafted)
+        mask = self._subset(drafter_ran, drafted)
         if rows == 1:  # nothing proposed (no n-gram match): the root alone, no tensor work
             return Plan(0, [1.0] * bs, drafted=drafter_ran, raw_accept=[0.0] * bs, drafted_mask=mask)
         limit = min(rows - 1, self.max_nodes)
@@ -1040,12 +1041,23 @@ class Planner:
             # the smallest tree within ``size_margin`` of the best rate
             best = max(rates)
             n = next(size for size, rate in zip(sizes, rates) if rate >= best / self.size_margin)
+        self._note_nodes(rids, drafter_ran, mask, n)
+        return Plan(n, [row[n] for row in curve_host], drafted=drafter_ran, raw_accept=[row[n] for row in raw_host],
+                    drafted_mask=mask)
+
+    @staticmethod
+    def _subset(drafter_ran: bool, drafted: Sequence[bool] | None) -> list[bool] | None:
+        """:meth:`choose`'s ``drafted`` as ``Plan.drafted_mask``: None where the drafter did not run or drafted for
+        every request."""
+        return None if not drafter_ran or drafted is None or all(drafted) else list(drafted)
+
+    def _note_nodes(self, rids: Sequence[object], drafter_ran: bool, mask: list[bool] | None, n: int) -> None:
+        """The tree size a drafting round chose, in the record of each request it drafted for (``mask``; None:
+        all)."""
         if drafter_ran:
             for b, r in enumerate(rids):
                 if mask is None or mask[b]:
                     self.state(r).last_nodes = n
-        return Plan(n, [row[n] for row in curve_host], drafted=drafter_ran, raw_accept=[row[n] for row in raw_host],
-                    drafted_mask=mask)
 
     # ------------------------------------------------------------ step 3: feedback
     def report(self, report: RoundReport) -> None:
@@ -1234,9 +1246,9 @@ class AlwaysDraft:
 
 class RandomPlanner(Planner):
     """A test policy: each batch drafts with probability 2/3 (for each of its requests with probability 3/4, at
-    least one) and then verifies a random number of nodes (0 .. max), otherwise runs a plain AR step; seeded. Lossless must hold whatever a planner picks, since every
-    prefix of a best-first tree (the root alone included) is a valid tree. Feedback and costs are recorded as
-    usual."""
+    least one) and then verifies a random number of nodes (0 .. max), otherwise runs a plain AR step; seeded.
+    Lossless must hold whatever a planner picks, since every prefix of a best-first tree (the root alone included)
+    is a valid tree. Feedback and costs are recorded as usual."""
 
     def __init__(self, *args, seed: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -1263,11 +1275,8 @@ class RandomPlanner(Planner):
         n = self.rng.randint(0, limit)
         tags = None if sources is None else sources[:, : n + 1]
         raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1], tags)[:, n]
-        mask = None if not drafter_ran or drafted is None or all(drafted) else list(drafted)
-        if drafter_ran:
-            for b, r in enumerate(rids):
-                if mask is None or mask[b]:
-                    self.state(r).last_nodes = n
+        mask = self._subset(drafter_ran, drafted)
+        self._note_nodes(rids, drafter_ran, mask, n)
         raw_host = raw.tolist()  # as Planner.choose's: lists of the host copy's numbers
         return Plan(n, [1.0 + float(a) for a in raw_host], drafted=drafter_ran, raw_accept=raw_host,
                     drafted_mask=mask)
