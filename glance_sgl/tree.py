@@ -185,17 +185,20 @@ def chain_tree(topk_values: torch.Tensor, topk_ids: torch.Tensor, root_tokens: t
 
 
 SQUARING_MAX_ROWS = 64  # above this, R^3 matmuls cost more than one scatter per tree level
+# up to this many mask cells (B * R * R) a host tree's mask is built as plain lists: beyond, converting the lists
+# costs more than the squaring (8 trees of 6 rows: 36 us either way; 16 of 12: 194 us vs 49; 1 of 33: 85 vs 49)
+HOST_MASK_CELLS = 512
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, R] parent rows -> bool [B, R, R]; ``mask[b, i, j]`` is True iff row j is row i or an ancestor of it.
 
-    Small packed trees on the host (the per-round case): one pass over plain lists. Other small trees:
+    A few small packed trees on the host (the embedded engine's round): one pass over plain lists. Other small trees:
     reachability by repeated squaring of ``I + parent one-hot`` (ceil(log2 R) tiny matmuls). Large trees: walk up
     one level at a time (one scatter + gather per level). The last two accept rows in any order.
     """
     bs, r = parents.shape
-    if r <= SQUARING_MAX_ROWS and parents.device.type == "cpu":
+    if bs * r * r <= HOST_MASK_CELLS and parents.device.type == "cpu":
         packed = parents.tolist()
         if all(p < i for par in packed for i, p in enumerate(par)):  # parents precede children
             return torch.tensor([_ancestor_rows(par) for par in packed], dtype=torch.bool)

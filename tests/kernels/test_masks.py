@@ -38,13 +38,15 @@ def test_empty_batch() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 7])
-def test_full_mask_small_and_large_batches_agree(n: int) -> None:
-    """Up to ``SMALL_BATCH`` requests the reference builds the mask per request, beyond it with flat gathers:
-    the same layout either way."""
+def test_full_mask_per_request_and_flat_gathers_agree(n: int) -> None:
+    """The reference builds the mask per request (on a CPU always, elsewhere up to ``SMALL_BATCH`` requests) or
+    with flat gathers (beyond that off a CPU): the same layout either way, at every batch size."""
     from glance_kernels import reference
 
-    pre = [0, 5, 17, 2, 9, 31][: reference.SMALL_BATCH + 2]
+    pre = [0, 5, 17, 2, 9, 31, 300, 1][: reference.SMALL_BATCH + 4]
     tree = _tree_mask("random", n, len(pre), 3 + n)
-    large = reference.full_mask(tree, pre)
-    small = torch.cat([reference.full_mask(tree[b:b + 1], [p]) for b, p in enumerate(pre)])
-    assert torch.equal(large.cpu(), small.cpu())
+    for bs in range(1, len(pre) + 1):
+        flat = reference.full_mask_flat(tree[:bs], pre[:bs])
+        assert torch.equal(reference.full_mask(tree[:bs], pre[:bs]).cpu(), flat.cpu())
+        one_by_one = torch.cat([reference.full_mask(tree[b:b + 1], [p]) for b, p in enumerate(pre[:bs])])
+        assert torch.equal(one_by_one.cpu(), flat.cpu())
