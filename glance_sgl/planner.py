@@ -956,7 +956,9 @@ class Planner:
         """Record a round without drafting (an AR step, or the round of ``alternative``, for every request of the
         batch). A request that was drafting is paused: it drafts again when a probe pays, or, where it gave way to
         matches that expected drafts (``RequestPlanState.yielded``), when the gate finds drafting pays in a round
-        without them."""
+        without them. Mode "off" records nothing (no gate reads it)."""
+        if self.mode == "off":
+            return Plan(0, [1.0] * len(rids), drafted=False, keeps_leads=False)
         for r, o in zip(rids, self._rivals(alternative, len(rids))):
             st = self.state(r)
             st.ar_streak += 1
@@ -1061,7 +1063,10 @@ class Planner:
 
     # ------------------------------------------------------------ step 3: feedback
     def report(self, report: RoundReport) -> None:
-        """One round's outcome: acceptance (drafting rounds), the next lead entropies and the measured costs."""
+        """One round's outcome: acceptance (drafting rounds), the next lead entropies and the measured costs (none
+        in mode "off": no decision reads them)."""
+        if self.mode == "off":
+            return
         leads = [self.leads.get(r) for r in report.rids]
         only = None
         if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1:

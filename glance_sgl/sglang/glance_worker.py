@@ -173,15 +173,19 @@ class GlanceWorker(BaseSpecWorker):
         # n-gram candidates (GLANCE_DRAFT_SOURCES=...,ngram): SGLang's NgramCorpus over each request's prompt, its
         # committed output and recent answers, one source per worker, proposed every step beside the drafter's tree
         self.draft_sources = self.settings.draft_sources
+        # the sources rounds draw on: none where the planner never speculates (GLANCE_PLANNER=off), so that drafting
+        # forced off costs only SGLang's own AR step plus this worker's plumbing: no tap capture, no drafter context
+        # or n-gram corpus kept for rounds that never read them (the draft KV pool is still allocated, unused)
+        self._sources = self.draft_sources if self.planner.speculates else ()
         # the target's tap features feed the drafter's context only: without the drafter among the sources no pass
         # captures them, and the target collects no tap layers at all (SGLang's capture costs ~0.2 ms of a CPU
         # step; a graph captured with them still runs)
-        self._capture = CaptureHiddenMode.FULL if "drafter" in self.draft_sources else CaptureHiddenMode.NULL
+        self._capture = CaptureHiddenMode.FULL if "drafter" in self._sources else CaptureHiddenMode.NULL
         if self._capture == CaptureHiddenMode.FULL:
             target.set_eagle3_layers_to_capture(captured)
         self.ngram: NgramCandidates | None = None
         self._vocab = int(self.model_runner.model_config.vocab_size)
-        if "ngram" in self.draft_sources:
+        if "ngram" in self._sources:
             # prompt ids SGLang replaced by multimodal pad values (outside the vocabulary) are never matched
             ngram = NgramSource(NgramSettings(scope=self.settings.ngram_corpus, max_depth=self.max_depth,
                                               skip_tokens=(-1,)))
@@ -342,7 +346,7 @@ class GlanceWorker(BaseSpecWorker):
             logits_output.hidden_states = None
         predict = result.next_token_ids
         if predict is not None and bs > 0 and batch.forward_mode.is_extend():
-            if logits_output.next_token_logits is not None:
+            if logits_output.next_token_logits is not None and self.planner.speculates:
                 for req, h in zip(batch.reqs, _prefill_entropies(logits_output.next_token_logits)):
                     self.planner.begin(req.rid, h)
             predict = self._first_tokens(batch, logits_output, predict)
@@ -584,7 +588,7 @@ class GlanceWorker(BaseSpecWorker):
         rounds = RoundBatch(rids, roots, next_index, self._specs(batch.reqs), tokens, roots_host)
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
         source = PoolDrafter(self, batch, seq_lens_cpu)
-        sources = [source] if "drafter" in self.draft_sources else []
+        sources = [source] if "drafter" in self._sources else []
         if self.ngram is not None:
             self._start_ngram(batch, tokens)
             sources.append(self.ngram)
@@ -594,7 +598,8 @@ class GlanceWorker(BaseSpecWorker):
         gap_ms = None
         if self._last_round_end is not None:  # everything between two rounds: the scheduler, this plumbing
             gap_ms = 1000 * (time.perf_counter() - self._last_round_end)
-            self.planner.costs.observe_gap(bs, gap_ms)
+            if self.planner.speculates:
+                self.planner.costs.observe_gap(bs, gap_ms)
 
         def publish(walk: WalkResult) -> None:  # before the KV keep and the drafter's writes (SGLang's V2 order)
             on_publish(seq_lens + walk.accept_lens.to(self.device) + 1)

@@ -11,7 +11,9 @@ steps), and must give the same tokens too. A fourth runs the same random rounds 
 (the V2 worker with ``FutureMap`` relay: the scheduler processes a step's results after launching the next) and
 must give the same tokens at 1 and 4 in flight, greedy and seeded. A fifth drafts from n-gram matches alone
 (``GLANCE_DRAFT_SOURCES=ngram``: its passes capture no tap features and feed no drafter context) under the random
-planner, and must give the same tokens at 4 in flight, greedy and seeded.
+planner, and must give the same tokens at 4 in flight, greedy and seeded. A sixth has drafting forced off
+(``GLANCE_PLANNER=off``: no source, no tap capture, every step a plain AR step) and must give the same tokens at 4
+in flight, greedy and seeded, every step verifying the root alone.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def run(checkpoints, tmp_path_factory):
     ngram = EngineProcess(cpu_engine_kwargs(target, drafter),
                           env={**STRICT, "GLANCE_DRAFT_SOURCES": "ngram", "GLANCE_PLANNER": "random:7",
                                "GLANCE_COST_CACHE": "off"}, log_path=logs / "ngram.log", wait=False)
+    off = EngineProcess(cpu_engine_kwargs(target, drafter), env={**STRICT, "GLANCE_PLANNER": "off"},
+                        log_path=logs / "off.log", wait=False)
     plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env=STRICT,
                           log_path=logs / "plain.log", wait=False)
     threads = torch.get_num_threads()
@@ -96,12 +100,17 @@ def run(checkpoints, tmp_path_factory):
         ngram_greedy = ngram.generate(requests, concurrency=4)["results"]
         ngram_seeded = ngram.generate(seeded, concurrent=True)["results"]
         ngram.close()
+        off.wait_ready()
+        off_greedy = off.generate(requests, concurrency=4)["results"]
+        off_seeded = off.generate(seeded, concurrent=True)["results"]
+        off.close()
         print(f"embedded {t_embedded:.1f}s, engines ready {t_ready:.1f}s, all {time.perf_counter() - t0:.1f}s")
         yield {"kind": kind, "requests": requests, "ar": ar, "tau": committed / max(rounds, 1), "batch1": batch1,
                "plain": plain_out, "concurrent": concurrent, "glance": glance, "logs": logs, "sampled": sampled,
                "seeded_fixed": seeded_fixed, "random_greedy": random_greedy, "random_seeded": random_seeded,
                "merged_batch1": merged_batch1, "merged_concurrent": merged_concurrent, "merged_seeded": merged_seeded,
-               "merged_info": merged_info, "ngram_greedy": ngram_greedy, "ngram_seeded": ngram_seeded}
+               "merged_info": merged_info, "ngram_greedy": ngram_greedy, "ngram_seeded": ngram_seeded,
+               "off_greedy": off_greedy, "off_seeded": off_seeded}
     finally:
         torch.set_num_threads(threads)
         glance.close()
@@ -109,6 +118,7 @@ def run(checkpoints, tmp_path_factory):
         rand.close()
         merged.close()
         ngram.close()
+        off.close()
 
 
 def test_batch1_token_identical_to_ar_and_plain_sglang(run):
@@ -226,4 +236,16 @@ def test_ngram_only_steps_stay_lossless(run):
                   for g in run["ngram_greedy"])
     assert drafted > 0  # some matches were accepted: n-gram steps did run
     log = (run["logs"] / "ngram.log").read_text()
+    assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
+
+
+def test_drafting_off_is_plain_decoding(run):
+    """Drafting forced off: every step verifies the root alone (one token per step), SGLang's tokens without
+    speculation and the fixed tree's seeded samples."""
+    for i, (g, p) in enumerate(zip(run["off_greedy"], run["plain"])):
+        assert g["output_ids"] == p["output_ids"], f"prompt {i}: drafting off vs SGLang without speculation"
+        assert g["meta_info"]["spec_verify_ct"] == g["meta_info"]["completion_tokens"] - 1
+    for i, (g, f) in enumerate(zip(run["off_seeded"], run["seeded_fixed"])):
+        assert g["output_ids"] == f["output_ids"], f"seeded prompt {i}: drafting off vs the fixed tree"
+    log = (run["logs"] / "off.log").read_text()
     assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
