@@ -537,7 +537,9 @@ class RequestPlanState:
     nothing is known about it yet); ``hold``: AR rounds before the first drafting round (set at the request's
     start from how recent requests' first rounds went); ``yielded``: paused because the round of the sources without
     a model pass (n-gram matches) did better, while its drafting pays over an AR step (its rounds without matches
-    still weigh drafting, :meth:`off_for`).
+    still weigh drafting, :meth:`off_for`); ``retired``: drafting is off for the rest of the request and no probe
+    comes (where every request of a round is retired the engine stops keeping the drafter's context,
+    :meth:`Planner.keeps_context`, so the drafter costs nothing on traffic it does not know).
     """
 
     recent_accepted: float = 0.0
@@ -561,12 +563,15 @@ class RequestPlanState:
     # predicted and their actual accepted drafts, decayed by MATCH_TREND (see ``match_ratio``)
     match_pred: float = 1.0
     match_actual: float = 1.0
+    retired: bool = False
 
     @property
     def probe_due(self) -> bool:
         """Whether this request's next round is a probe: while drafting is paused, once ``probe_interval`` AR
         rounds have passed; before its first drafting round, once ``hold`` of them have (and at least
         ``probe_interval``, for a request the entropy table alone kept from drafting)."""
+        if self.retired:
+            return False
         if self.drafted_rounds == 0:
             return self.ar_streak >= max(self.probe_interval, self.hold)
         return self.paused and self.ar_streak >= self.probe_interval
@@ -579,13 +584,13 @@ class RequestPlanState:
     @property
     def drafting_off(self) -> bool:
         """Paused, or a new request still held back from drafting: only a probe drafts for it."""
-        return self.paused or (self.drafted_rounds == 0 and self.ar_streak < self.hold)
+        return self.retired or self.paused or (self.drafted_rounds == 0 and self.ar_streak < self.hold)
 
     def off_for(self, matched: bool) -> bool:
         """Whether drafting is off for this request in a round whose matches expect drafts (``matched``) or none:
         :attr:`drafting_off`, except that a request that yielded to the matches weighs drafting where they expect
         none (a template opening found by the matches does not stop the drafter for the rest of the answer)."""
-        return self.drafting_off and not (self.yielded and not matched)
+        return self.drafting_off and not (self.yielded and not matched and not self.retired)
 
     @property
     def tree_ratio(self) -> float:
@@ -759,6 +764,22 @@ class Planner:
             st = self.requests[rid] = RequestPlanState(hold=0 if explorer else hold, explorer=explorer)
         return st
 
+    def drafter_idle(self) -> bool:
+        """Whether the drafter knows almost nothing of today's traffic: requests' first drafting rounds and probes
+        both rarely pay (``START_RARE``, ``PROBE_RARE``). Then a request whose probe failed is retired
+        (``RequestPlanState.retired``) instead of waiting ``MAX_PROBE_INTERVAL`` rounds for the next. A new request
+        is not: it may be one the drafter knows (it probes after its hold)."""
+        return self.mode == "auto" and self.starts_paid / self.starts < START_RARE \
+            and self.probe_success() < PROBE_RARE
+
+    def keeps_context(self, rids: Sequence[object]) -> bool:
+        """Whether the engine keeps the drafter's context current through this round (the target's tap features
+        captured, the committed rows fed to the drafter): unless every request of ``rids`` is retired (or the
+        planner never speculates). A retired request never drafts again, so the context it misses is never read."""
+        if self.mode == "off":
+            return False
+        return not all(self.state(r).retired for r in rids)
+
     def forget(self, rid: object) -> None:
         """Drop everything kept for request ``rid`` (it ended)."""
         self.requests.pop(rid, None)
@@ -916,7 +937,7 @@ class Planner:
                      * self.gain_table(other[b]).expected(leads[b] if leads[b] is not None else 0.0) >= need]
             if worth and (2 * len(worth) >= bs
                           or any(states[b].exploring and self.rival_bin(other[b]) == 0 for b in worth)):
-                return [True] * bs
+                return [not st.retired for st in states]  # a retired request's context may have gaps
         off = [st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, bs))]
         if all(off):
             return [False] * bs
@@ -1201,6 +1222,7 @@ class Planner:
             st.probe_interval = MIN_PROBE_INTERVAL
         elif self.starts_paid / self.starts < START_RARE:
             st.probe_interval = MAX_PROBE_INTERVAL  # the drafter knows almost nothing of today's traffic
+            st.retired = self.drafter_idle()
         else:
             backoff = PROBE_BACKOFF_FAST if self.probe_success() < PROBE_RARE else PROBE_BACKOFF
             st.probe_interval = min(backoff * st.probe_interval, MAX_PROBE_INTERVAL)
@@ -1228,6 +1250,9 @@ class AlwaysDraft:
     def merge_worth(self, rids: Sequence[object], alternative: Plan) -> list[bool]:
         return [True] * len(rids)
 
+    def keeps_context(self, rids: Sequence[object]) -> bool:
+        return True
+
     acceptance = None  # other sources score their nodes with their own priors
 
     def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor,
@@ -1253,17 +1278,23 @@ class RandomPlanner(Planner):
     """A test policy: each batch drafts with probability 2/3 (for each of its requests with probability 3/4, at
     least one) and then verifies a random number of nodes (0 .. max), otherwise runs a plain AR step; seeded.
     Lossless must hold whatever a planner picks, since every prefix of a best-first tree (the root alone included)
-    is a valid tree. Feedback and costs are recorded as usual."""
+    is a valid tree. Requests retire at random (:meth:`draft_mask`). Feedback and costs are recorded as usual."""
 
     def __init__(self, *args, seed: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rng = random.Random(seed)
 
     def draft_mask(self, rids, alternative: Plan | None = None) -> list[bool]:
-        if not rids or self.rng.random() >= 2 / 3:
+        """Also retires each request with probability 1/64 a round (never drafted for again: the engine stops
+        keeping the drafter's context where a whole round is retired)."""
+        states = [self.state(r) for r in rids]
+        for st in states:
+            st.retired = st.retired or self.rng.random() < 1 / 64
+        live = [b for b, st in enumerate(states) if not st.retired]
+        if not live or self.rng.random() >= 2 / 3:
             return [False] * len(rids)
-        mask = [self.rng.random() < 3 / 4 for _ in rids]
-        mask[self.rng.randrange(len(rids))] = True
+        mask = [not st.retired and self.rng.random() < 3 / 4 for st in states]
+        mask[self.rng.choice(live)] = True
         return mask
 
     def cheap_rows(self, rids, rows: int) -> list[int]:

@@ -120,9 +120,9 @@ class PassOutput:
 class TargetRows(Protocol):
     """The engine's target pass, bound to one round's requests."""
 
-    def forward(self, tree: DraftTree) -> PassOutput:
+    def forward(self, tree: DraftTree, taps: bool = True) -> PassOutput:
         """One pass over every request's packed tree [bs, R] (R = 1: a plain AR step), K/V written after each
-        prefix."""
+        prefix; ``taps``: whether the drafter's context needs the pass's tap features (False: they may be None)."""
 
     def keep(self, tree: DraftTree, walk: WalkResult) -> None:
         """Keep the K/V of each request's root and accepted rows (``walk.accepted_rows``), in order."""
@@ -165,6 +165,8 @@ class RoundPolicy(Protocol):
     def cheap_rows(self, rids: Sequence[Hashable], rows: int) -> list[int]: ...
 
     def merge_worth(self, rids: Sequence[Hashable], alternative: Plan) -> list[bool]: ...
+
+    def keeps_context(self, rids: Sequence[Hashable]) -> bool: ...
 
     def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor,
                sources: torch.Tensor | None = None, drafter_ran: bool = True,
@@ -331,8 +333,10 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     width = target.agree(target.width(plan.nodes + 1)) if active else 1
     tree = candidates.prefix(width).to(batch.roots.device) if active else root_tree(batch.roots)
     t2 = time.perf_counter()
-    # 5. one target pass over every request's tree
-    out = target.forward(tree)
+    # 5. one target pass over every request's tree, capturing the tap features where the drafter's context is kept
+    #    (not where every request is retired: the drafter never drafts for them again)
+    feeds = drafting or (bool(with_pass) and bool(target.agree(int(planner.keeps_context(batch.rids)))))
+    out = target.forward(tree, taps=feeds)
     t3 = time.perf_counter()
     # 6. the walk: the target's own choices (greedy, or seeded sampling), lossless whatever the tree
     walk = verify_tree(tree.tokens, tree.parents, tree.depths, out.logits, batch.next_index, list(batch.specs),
@@ -343,7 +347,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     #    before the read), read the outcome back, feed the other sources from it
     if tree.num_rows > 1:
         target.keep(tree, walk)
-    for source in with_pass:
+    for source in with_pass if feeds else ():
         source.commit(batch, out.taps, walk)
     lead_logits = lead_rows(out.logits, walk) if drafting or keeps_leads else None
     lead_tensor = None if lead_logits is None else entropy_tensor(lead_logits)

@@ -272,14 +272,16 @@ class CachePass:
     def __init__(self, target: TargetAdapter, state: TargetState, taps: list[int] | None) -> None:
         self.target, self.state, self.taps = target, state, taps
 
-    def forward(self, tree) -> PassOutput:
-        """``tree``: a ``DraftTree`` [1, R]. Returns (logits [1, R, V] on the host, taps [1, R, L*H])."""
+    def forward(self, tree, taps: bool = True) -> PassOutput:
+        """``tree``: a ``DraftTree`` [1, R]. Returns (logits [1, R, V] on the host, taps [1, R, L*H]; None where
+        ``taps`` is False: no layer captured)."""
         if tree.num_rows == 1:  # an AR step: no tree mask to build
             ancestors = torch.ones(1, 1, dtype=torch.bool)
         else:
             # Triton on CUDA, glance_sgl.tree's torch code elsewhere; only the mask is needed here
             ancestors = glance_kernels.tree_meta(tree.parents, pointers=False).tree_mask[0]
-        rows = self.target.forward_rows(self.state, tree.tokens[0], tree.depths[0], ancestors, taps=self.taps)
+        rows = self.target.forward_rows(self.state, tree.tokens[0], tree.depths[0], ancestors,
+                                        taps=self.taps if taps else None)
         return PassOutput(rows.logits[None].cpu(), None if rows.taps is None else rows.taps[None])
 
     def keep(self, tree, walk) -> None:

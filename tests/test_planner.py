@@ -295,6 +295,33 @@ def test_where_probes_rarely_pay_new_requests_wait_before_drafting_and_back_off_
     assert drafted_steps(planner, "doc2", tree, accepted=6, steps=5) == list(range(5))
 
 
+def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_the_request():
+    """Where first rounds and probes almost never pay, a request whose probe fails is retired: it never drafts or
+    probes again, and a round of retired requests only keeps no drafter context (``keeps_context``); a new request
+    still probes after its hold (it may be one the drafter knows)."""
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+    tree = random_tree(6, 15, sharp=8.0)
+    for i in range(6):  # a run of requests the drafter does not know
+        drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
+    assert planner.drafter_idle()
+    drafted = []
+    for step in range(300):
+        if gate(planner, ["late"], [0.5]):
+            drafted.append(step)
+            plan = planner.choose(["late"], tree.scores, tree.depths)
+            report(planner, ["late"], plan, [0], tree.prefix(plan.nodes + 1), None)
+        else:
+            planner.skip(["late"])
+        if step == START_HOLD_LONG - 1:
+            assert not planner.state("late").retired and planner.keeps_context(["late"])
+    assert drafted == [START_HOLD_LONG]  # its probe, and nothing after it (MAX_PROBE_INTERVAL would probe again)
+    assert planner.state("late").retired and not planner.keeps_context(["late"])
+    assert planner.keeps_context(["late", "new"])  # a request that may still draft keeps the batch's context
+    assert not planner.state("new").retired
+    planner.mode = "fixed"  # only "auto" retires
+    assert not planner.drafter_idle()
+
+
 def test_where_first_rounds_never_pay_one_new_request_in_explore_drafts_at_once():
     """Requests the drafter knows but whose answers are shorter than the hold still bring drafting back: every
     EXPLORE-th new request probes at its first round."""

@@ -117,13 +117,14 @@ class _CountingSource:
     """A candidate source wrapper that counts proposals (and forwards everything else)."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.proposed, self.source_id = inner, 0, inner.source_id
+        self.inner, self.proposed, self.committed, self.source_id = inner, 0, 0, inner.source_id
 
     def propose(self, batch, rows):
         self.proposed += 1
         return self.inner.propose(batch, rows)
 
     def commit(self, batch, taps, walk):
+        self.committed += 1
         self.inner.commit(batch, taps, walk)
 
 
@@ -148,6 +149,44 @@ def test_planner_off_never_proposes_and_decodes_as_ar(engines):
     assert committed[: len(ar)] == ar and source.proposed == 0
 
 
+class _TapsRecordingPass(CachePass):
+    """The embedded pass, recording whether each pass was asked for tap features."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.asked: list[bool] = []
+
+    def forward(self, tree, taps=True):
+        self.asked.append(taps)
+        return super().forward(tree, taps)
+
+
+def test_rounds_of_retired_requests_keep_no_drafter_context(engines):
+    """Once the planner retires a request (it never drafts for it again), its rounds capture no tap features and
+    feed the drafter nothing; the output stays the AR path's."""
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    messages = make_prompts(1, seed=31)[0]
+    ar = engine.generate(messages, SamplingParams(max_tokens=16), mode="ar").token_ids
+    planner = Planner(engine.cost_model(), max_nodes=engine.budget, max_depth=engine.block_size - 1)
+    state, rows = target.prefill(target.prepare(messages), taps=taps)
+    source = _CountingSource(CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k))
+    rows_pass = _TapsRecordingPass(target, state, taps)
+    committed = [int(rows.logits[-1].argmax())]
+    planner.begin("r", entropy_nats(rows.logits[-1]))
+    while len(committed) < len(ar):
+        if len(rows_pass.asked) == 3:
+            planner.state("r").retired = True
+            fed = source.committed
+        batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
+        r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
+        assert not (r.drafted and planner.state("r").retired)
+        committed += r.walk.committed()[0]
+    assert committed[: len(ar)] == ar
+    assert rows_pass.asked[:3] == [True] * 3 and not any(rows_pass.asked[3:]) and len(rows_pass.asked) > 3
+    assert source.committed == fed == 3
+
+
 class _AsyncTimedPass(CachePass):
     """The embedded pass, reporting a device time of its own as an asynchronous (CUDA) pass does, and sleeping
     ``lag_s`` in its forward (the wall time the host spends there)."""
@@ -156,12 +195,12 @@ class _AsyncTimedPass(CachePass):
         super().__init__(*args)
         self.ms, self.lag_s, self.read = device_ms, lag_s, 0
 
-    def forward(self, tree):
+    def forward(self, tree, taps=True):
         import dataclasses
         import time
 
         time.sleep(self.lag_s)
-        out = super().forward(tree)
+        out = super().forward(tree, taps)
 
         def device_ms() -> float:
             self.read += 1

@@ -490,10 +490,11 @@ class GlanceWorker(BaseSpecWorker):
                           seq_lens, roots, longest, max_depth=self.max_depth, branch_k=self.branch_k,
                           budget=self.budget, build=build)
 
-    def _verify_pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
+    def _verify_pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors,
+                     capture: CaptureHiddenMode):
         """The target's TARGET_VERIFY pass over ``tree`` (``R`` rows per request, 1 <= R <= N): its K/V go to
         the first R of the N slots SGLang reserved after each prefix. Returns (result, logits [bs, R, V],
-        taps [bs, R, L*H])."""
+        taps [bs, R, L*H], None where ``capture`` is NULL)."""
         bs, rows = tree.tokens.shape
         vt = build_verify_input(tree, batch.seq_lens, seq_lens_cpu, batch.req_pool_indices,
                                 self.req_to_token_pool.req_to_token)
@@ -502,14 +503,14 @@ class GlanceWorker(BaseSpecWorker):
         batch.out_cache_loc = vt.out_cache_loc
         batch.spec_info = vt.spec_info
         result = self.target_worker.forward_batch_generation(
-            batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=self._capture)
+            batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=capture)
         out = result.logits_output
         logits = out.next_token_logits.view(bs, rows, -1)
         taps = self._taps(out.hidden_states, bs, rows)
         out.hidden_states = None
         return result, logits, taps
 
-    def _ar_pass(self, batch: ScheduleBatch, roots: torch.Tensor, pp_proxy_tensors):
+    def _ar_pass(self, batch: ScheduleBatch, roots: torch.Tensor, pp_proxy_tensors, capture: CaptureHiddenMode):
         """A plain AR step: SGLang's own DECODE forward of each root (at position ``seq_lens[b]``, its K/V into
         the first slot SGLang reserved after the prefix), sampling skipped. For the forward the batch looks like
         a non-speculative decode batch (lengths including the root, no spec input); restored afterwards.
@@ -528,8 +529,7 @@ class GlanceWorker(BaseSpecWorker):
         batch.spec_info = None
         try:
             result = self.target_worker.forward_batch_generation(
-                batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True,
-                capture_hidden_mode=self._capture)
+                batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=capture)
         finally:
             (batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens, batch.seq_lens_sum, batch.spec_info) = saved
         out = result.logits_output
@@ -538,18 +538,21 @@ class GlanceWorker(BaseSpecWorker):
         out.hidden_states = None
         return result, logits, taps
 
-    def _pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors):
+    def _pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors,
+              taps: bool = True):
         """The target pass of a step: SGLang's plain decode forward for a 1-row tree (an AR step; on the CPU
         backend 8.5 vs 9.2 ms median for a 1-row TARGET_VERIFY, interleaved engines), else the tree verify.
         With CUDA graphs every pass is a verify, replayed at its width (a 1-row one for an AR step: a speculative
-        target has no DECODE graphs); a width without graphs runs eagerly."""
+        target has no DECODE graphs); a width without graphs runs eagerly. ``taps`` False: no tap layer captured
+        (every request retired, ``Planner.keeps_context``), except in a graph, which replays its capture anyway."""
         graphs = self.verify_graphs
         if graphs is None:
+            capture = self._capture if taps else CaptureHiddenMode.NULL
             if tree.num_rows == 1:
-                return self._ar_pass(batch, tree.tokens[:, 0], pp_proxy_tensors)
-            return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
+                return self._ar_pass(batch, tree.tokens[:, 0], pp_proxy_tensors, capture)
+            return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors, capture)
         with graphs.use(tree.num_rows) if tree.num_rows in graphs.states else contextlib.nullcontext():
-            return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors)
+            return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors, self._capture)
 
     def _decode(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         if not self._count_reads:
@@ -794,14 +797,15 @@ class SGLangRows:
     def __init__(self, worker: GlanceWorker, batch: ScheduleBatch, seq_lens_cpu: list[int], pp_proxy_tensors) -> None:
         self.worker, self.batch, self.seq_lens_cpu, self.pp_proxy_tensors = worker, batch, seq_lens_cpu, pp_proxy_tensors
 
-    def forward(self, tree: DraftTree) -> PassOutput:
+    def forward(self, tree: DraftTree, taps: bool = True) -> PassOutput:
         """The pass over ``tree`` [bs, R]: logits [bs, R, V] where SGLang left them (masked by each constrained
-        request's grammar along every row's path), taps [bs, R, L*H], SGLang's result as the handle."""
+        request's grammar along every row's path), taps [bs, R, L*H] (None where not captured: ``taps`` False, or
+        no drafter among the sources), SGLang's result as the handle."""
         w = self.worker
         timer = _PassEvents(w.device) if w.device_is_cuda else None
         # SGLang's forward (attention backend, sampler bookkeeping) is not this step's to bound
         with w._counter.paused() if w._counter is not None else contextlib.nullcontext():
-            result, logits, taps = w._pass(self.batch, tree, self.seq_lens_cpu, self.pp_proxy_tensors)
+            result, logits, taps = w._pass(self.batch, tree, self.seq_lens_cpu, self.pp_proxy_tensors, taps)
         if timer is not None:
             timer.stop()
         if self.batch.has_grammar:  # constrained requests: each row's logits masked by the grammar along its path
