@@ -112,6 +112,20 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return _on_segment(xs, ys, min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1), x)
 
 
+def _interp_many(xs: Sequence[float], ys: Sequence[float], points: Sequence[float]) -> list[float]:
+    """:func:`_interp` at each of ``points``; for ascending points one walk along the curve instead of a search per
+    point (the tree sizes ``Planner.choose`` weighs, every round)."""
+    n = len(xs)
+    if n == 1 or any(b < a for a, b in zip(points, points[1:])):
+        return [_interp(xs, ys, x) for x in points]
+    out, i = [], 1
+    for x in points:
+        while i < n - 1 and xs[i] < x:  # the segment _interp picks: bisect_left, kept within [1, n - 1]
+            i += 1
+        out.append(_on_segment(xs, ys, i, x))
+    return out
+
+
 def _on_segment(xs: Sequence[float], ys: Sequence[float], i: int, x: float) -> float:
     """The line through points ``i - 1`` and ``i`` at ``x`` (never below 0)."""
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
@@ -144,16 +158,8 @@ class CostModel:
     def verify_ms_many(self, rows: Sequence[int], batch: int = 1) -> list[float]:
         """:meth:`verify_ms` at each of ``rows``: the costs of the tree sizes :meth:`Planner.choose` weighs
         (ascending rows: one walk along the curve instead of a search per point)."""
-        xs, ys, n = self.verify_rows, self.verify_ms_at, len(self.verify_rows)
-        if n == 1 or any(b < a for a, b in zip(rows, rows[1:])):
-            return [self.verify_ms(r, batch) for r in rows]
-        out, i = [], 1
-        for r in rows:
-            x = float(r * batch)
-            while i < n - 1 and xs[i] < x:  # the segment _interp picks: bisect_left, kept within [1, n - 1]
-                i += 1
-            out.append(_on_segment(xs, ys, i, x) * self.scale)
-        return out
+        return [ms * self.scale for ms in _interp_many(self.verify_rows, self.verify_ms_at,
+                                                        [float(r * batch) for r in rows])]
 
     def draft_ms(self, batch: int = 1) -> float:
         return _interp(self.draft_batch, self.draft_ms_at, float(batch)) * self.scale

@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from glance_sgl.planner import CostModel, Planner, RandomPlanner, _interp, cost_cache_dir
+from glance_sgl.planner import CostModel, Planner, RandomPlanner, _interp, _interp_many, cost_cache_dir
 
 STEP_RATE = 0.1  # weight of one measured scheduler gap
 
@@ -56,18 +56,16 @@ class BatchCostModel(CostModel):
         """:meth:`pass_ms` at each of ``rows``: the batch size's two bracketing curves (linear in the batch size
         between them, extrapolated past the ends; one curve: proportional to the batch size) found once."""
         sizes = sorted(self.curves)
+        points = [float(r) for r in rows]
         if len(sizes) == 1:  # _interp's one-point rule
             (xs, ys), = self.curves.values()
             f = max(float(batch), 1.0) / max(sizes[0], 1.0)
-            return [max(_interp(xs, ys, float(r)) * f, 0.0) * self.scale for r in rows]
+            return [max(ms * f, 0.0) * self.scale for ms in _interp_many(xs, ys, points)]
         i = min(max(bisect.bisect_left(sizes, float(batch)), 1), len(sizes) - 1)
         (xa, ya), (xb, yb) = self.curves[sizes[i - 1]], self.curves[sizes[i]]
         w = (float(batch) - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-        out = []
-        for r in rows:
-            lo = _interp(xa, ya, float(r))
-            out.append(max(lo + (_interp(xb, yb, float(r)) - lo) * w, 0.0) * self.scale)
-        return out
+        return [max(lo + (hi - lo) * w, 0.0) * self.scale
+                for lo, hi in zip(_interp_many(xa, ya, points), _interp_many(xb, yb, points))]
 
     def verify_ms_many(self, rows: list[int], batch: int = 1) -> list[float]:
         """:meth:`verify_ms` at each of ``rows`` (the sizes ``Planner.choose`` weighs), with the batch's curves and
