@@ -300,7 +300,13 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
                                                                    fallback.sources, drafter_ran=False)
     cheap_s = time.perf_counter() - t0
     # 2. gate: for which requests does the drafter's pass pay now, over that round? (every rank takes rank 0's)
-    mask = agree_mask(target, planner.draft_mask(batch.rids, alternative)) if drafters else [False] * batch.size
+    #    ... and whether the drafter's context is kept through this round (not where every request is retired: the
+    #    drafter never drafts for them again), agreed in the same broadcast
+    if drafters:
+        *mask, keep = agree_mask(target, planner.draft_mask(batch.rids, alternative)
+                                 + [planner.keeps_context(batch.rids)])
+    else:
+        mask, keep = [False] * batch.size, False
     drafting = any(mask)
     keeps_leads = True  # whether the planner keeps this round's lead entropies (a drafting round's: always)
     if drafting:
@@ -334,8 +340,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     tree = candidates.prefix(width).to(batch.roots.device) if active else root_tree(batch.roots)
     t2 = time.perf_counter()
     # 5. one target pass over every request's tree, capturing the tap features where the drafter's context is kept
-    #    (not where every request is retired: the drafter never drafts for them again)
-    feeds = drafting or (bool(with_pass) and bool(target.agree(int(planner.keeps_context(batch.rids)))))
+    feeds = drafting or keep
     out = target.forward(tree, taps=feeds)
     t3 = time.perf_counter()
     # 6. the walk: the target's own choices (greedy, or seeded sampling), lossless whatever the tree
