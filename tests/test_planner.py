@@ -260,8 +260,10 @@ def test_gate_stops_drafting_for_a_request_that_never_accepts_and_probes_with_ba
     assert "wild" not in planner.requests
 
 
-def drafted_steps(planner: Planner, rid: str, tree: DraftTree, accepted: int, steps: int) -> list[int]:
-    """Run ``steps`` rounds of request ``rid`` whose drafts always get ``accepted`` drafts; the drafted steps."""
+def drafted_steps(planner: Planner, rid: str, tree: DraftTree, accepted: int, steps: int,
+                  forget: bool = True) -> list[int]:
+    """Run ``steps`` rounds of request ``rid`` whose drafts always get ``accepted`` drafts; the drafted steps
+    (``forget``: the request ends after them)."""
     drafted = []
     for step in range(steps):
         if gate(planner, [rid], [0.5]):
@@ -270,7 +272,8 @@ def drafted_steps(planner: Planner, rid: str, tree: DraftTree, accepted: int, st
             report(planner, [rid], plan, [min(accepted, plan.nodes)], tree.prefix(plan.nodes + 1), None)
         else:
             planner.skip([rid])
-    planner.forget(rid)
+    if forget:
+        planner.forget(rid)
     return drafted
 
 
@@ -304,17 +307,8 @@ def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_t
     for i in range(6):  # a run of requests the drafter does not know
         drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
     assert planner.drafter_idle()
-    drafted = []
-    for step in range(300):
-        if gate(planner, ["late"], [0.5]):
-            drafted.append(step)
-            plan = planner.choose(["late"], tree.scores, tree.depths)
-            report(planner, ["late"], plan, [0], tree.prefix(plan.nodes + 1), None)
-        else:
-            planner.skip(["late"])
-        if step == START_HOLD_LONG - 1:
-            assert not planner.state("late").retired and planner.keeps_context(["late"])
-    assert drafted == [START_HOLD_LONG]  # its probe, and nothing after it (MAX_PROBE_INTERVAL would probe again)
+    # its probe after the hold (not retired before it), and nothing after it (MAX_PROBE_INTERVAL would probe again)
+    assert drafted_steps(planner, "late", tree, accepted=0, steps=300, forget=False) == [START_HOLD_LONG]
     assert planner.state("late").retired and not planner.keeps_context(["late"])
     assert planner.keeps_context(["late", "new"])  # a request that may still draft keeps the batch's context
     assert not planner.state("new").retired
