@@ -65,6 +65,9 @@ START_HOLD_LONG = 16  # ... and this many while they almost never do (share belo
 START_RARE = 0.1
 EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request drafts at once all the same, so a
 # return of requests the drafter knows is noticed even when their answers are shorter than the hold
+GAIN_EVIDENCE = 3.0  # a gain table of a rival bin with matches (one per bin) with fewer observations than this is
+# still being explored: a new request whose matches fall in its bin drafts in its first round (else the gate would
+# only ever read the table's prior there)
 TREND = 0.95  # decay per drafted round of a request's tree-prediction sums: ~20 rounds (per-round acceptance is noisy)
 RECENT = 0.97  # decay per round (AR rounds too) of what a request's drafting rounds accepted: ~30 rounds of memory
 PRIOR_ROUNDS = 1.0  # weight, in rounds, of the entropy table's value in a request's expected acceptance
@@ -502,7 +505,8 @@ class EntropyTable:
     ``prior_weight`` rounds).
 
     Whether, and how, entropy predicts acceptance is learned, not assumed: a bin the engine has not drafted in yet
-    reads the overall mean, so a rarely visited entropy is never locked out of drafting by a prior.
+    reads the overall mean, so a rarely visited entropy is never locked out of drafting by a prior. ``seen``: the
+    observations so far (decayed like the sums).
     """
 
     def __init__(self, max_accept: int, prior_mean: float = 2.0, prior_weight: float = 2.0, shrink: float = 3.0,
@@ -512,6 +516,7 @@ class EntropyTable:
         self.total = [0.0] * n
         self.all_weight, self.all_total = prior_weight, min(prior_mean, max_accept) * prior_weight
         self.shrink, self.decay = shrink, decay
+        self.seen = 0.0
 
     @staticmethod
     def bin(entropy: float) -> int:
@@ -528,6 +533,7 @@ class EntropyTable:
         self.total[i] = self.total[i] * self.decay + float(accepted)
         self.all_weight = self.all_weight * self.decay + 1.0
         self.all_total = self.all_total * self.decay + float(accepted)
+        self.seen = self.seen * self.decay + 1.0
 
 
 @dataclass
@@ -953,7 +959,11 @@ class Planner:
         tokens = sum(other) + sum(self.predicted_accept(rids[b], leads[b], rival_tokens=other[b]) for b in on)
         ms = round_ms + self.costs.draft_ms(len(on)) - self.costs.draft_ms(bs)
         if not tokens / ms > self.margin * rate:
-            return [False] * bs
+            # ... except a new request whose matches fall where the drafter's gain over them was hardly ever
+            # measured: the gate would weigh the table's prior forever (a template opening the matches know
+            # stands for the whole answer the drafter would draft), so its first round drafts and measures it
+            return [b in on and states[b].drafted_rounds == 0 and self.rival_bin(other[b]) > 0
+                    and self.gain_table(other[b]).seen < GAIN_EVIDENCE for b in range(bs)]
         return [not o for o in off]
 
     @staticmethod

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from glance_sgl.planner import (EXPLORE, FIRST_RECHECK, FIRST_TREND, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG, CostModel,
+from glance_sgl.planner import (EXPLORE, FIRST_RECHECK, GAIN_EVIDENCE, FIRST_TREND, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG, CostModel,
                                 DepthCalibration, EntropyTable, Planner, RoundReport, calibrate, cost_key,
                                 default_row_grid, load_costs, save_costs)
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
@@ -589,6 +589,10 @@ def test_an_explorer_drafts_the_batch_at_once_only_where_its_matches_cover_littl
     assert [planner.state(r).drafting_off for r in rids] == [False] + [True] * 7
     covered = Plan(7, [8.0] + [1.0] * 7, drafted=False)  # r0's matches: a 7-node chain it expects to be accepted
     uncovered = Plan(7, [1.0] * 8, drafted=False)
+    # where the drafter's gain over such matches was never measured, r0's first round drafts for r0 alone (a look
+    # at one request's price, until GAIN_EVIDENCE rounds measured it), not for the batch
+    assert planner.draft_mask(rids, covered) == [True] + [False] * 7
+    planner.gain_table(8.0).seen = GAIN_EVIDENCE
     assert not planner.gate(rids, covered)
     assert planner.gate(rids, uncovered)
 
