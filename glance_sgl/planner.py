@@ -962,7 +962,7 @@ class Planner:
             # ... except a new request whose matches fall where the drafter's gain over them was hardly ever
             # measured: the gate would weigh the table's prior forever (a template opening the matches know
             # stands for the whole answer the drafter would draft), so its first round drafts and measures it
-            return [b in on and states[b].drafted_rounds == 0 and self.rival_bin(other[b]) > 0
+            return [not off[b] and states[b].drafted_rounds == 0 and self.rival_bin(other[b]) > 0
                     and self.gain_table(other[b]).seen < GAIN_EVIDENCE for b in range(bs)]
         return [not o for o in off]
 
