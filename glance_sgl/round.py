@@ -283,6 +283,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     back once after the walk (``WalkResult.host_copy``, the lead entropies in the same read). So a round reads the
     device at most twice, whatever the batch, the tree and the sources (``glance_sgl.host_transfers``).
     """
+    if not planner.speculates:
+        return plain_round(batch, planner, target, device_resident=device_resident, on_walk=on_walk)
     t0 = time.perf_counter()
     # sources with a model pass (the drafter) and without (n-gram matches); every one of them is fed each round
     with_pass = [s for s in sources if s.source_id == SOURCE_DRAFTER]
@@ -394,6 +396,28 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         result.settle()
         result.ended = time.perf_counter()
     return result
+
+
+def plain_round(batch: RoundBatch, planner: RoundPolicy, target: TargetRows, *, device_resident: bool = False,
+                on_walk: Callable[[WalkResult], None] | None = None) -> RoundResult:
+    """The round of a planner that never speculates (mode "off"): a plain AR step, the cost of "never hurts".
+    Nothing is planned, captured, fed or observed, and the outcome is not read back (it commits each root's one
+    choice, the bonus: the engine reads that itself). Its report says so: every request accepted no drafts."""
+    t0 = time.perf_counter()
+    tree = root_tree(batch.roots)
+    t2 = time.perf_counter()
+    out = target.forward(tree, taps=False)
+    t3 = time.perf_counter()
+    walk = verify_tree(tree.tokens, tree.parents, tree.depths, out.logits, batch.next_index, list(batch.specs),
+                       max_depth=0, device_resident=device_resident)
+    if on_walk is not None:
+        on_walk(walk)
+    plan = planner.skip(batch.rids)
+    ended = time.perf_counter()
+    pass_ms = 1000.0 * (t3 - t2) if out.device_ms is None else None  # an asynchronous pass is not timed here
+    report = RoundReport(batch.rids, plan, 1, [0] * batch.size, drafter_ms=0.0, pass_ms=pass_ms,
+                         host_ms=1000.0 * ((t2 - t0) + (ended - t3)))
+    return RoundResult(tree, walk, plan, out, report, ended)
 
 
 def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batch: RoundBatch,

@@ -146,7 +146,7 @@ def test_planner_off_never_proposes_and_decodes_as_ar(engines):
         r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
         assert not r.drafted and r.tree.num_rows == 1
         committed += r.walk.committed()[0]
-    assert committed[: len(ar)] == ar and source.proposed == 0
+    assert committed[: len(ar)] == ar and source.proposed == 0 and source.committed == 0  # nothing fed either
 
 
 class _TapsRecordingPass(CachePass):

@@ -31,6 +31,7 @@ slots stay the request's until it finishes. The result's token rows keep the str
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import zlib
@@ -203,7 +204,7 @@ class GlanceWorker(BaseSpecWorker):
                     "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
                     self.planner_mode, "cached" if cached is not None else "calibrated on the first batches")
 
-    @property
+    @functools.cached_property
     def device_is_cuda(self) -> bool:
         return torch.device(self.device).type == "cuda"
 
