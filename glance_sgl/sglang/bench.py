@@ -4,7 +4,8 @@ NGRAM and DFLASH.
     python -m glance_sgl.sglang.bench [--model DIR --drafter DIR] [--prompts 32] [--max-tokens 64]
         [--methods none,ngram,dflash,glance,glance-fixed,glance-off,glance+ngram,glance-ngram,glance-drafter]
         [--concurrency 1,4,16]
-        [--wild 16] [--wild-concurrency 1,8] [--interleave] [--overlap on|off] [--step-stats] [--count-host-reads]
+        [--wild 16] [--wild-concurrency 1,8] [--interleave [--engine-runs N]] [--overlap on|off] [--step-stats]
+        [--count-host-reads]
         [--log-dir DIR] [--json FILE]
 
 ``glance`` is GLANCE as it ships (auto planner, the n-gram source's candidates merged into the drafter's tree:
@@ -55,7 +56,9 @@ wild pictures: no n-gram corpus holds the start of a measured answer). Scenarios
 ``--repeat N`` runs every scenario but the first of each kind (``demo c=1``, ``wild c=1``: the requests seen for the
 first time) N times, chunk by chunk, and pools the runs: the later scenarios replay answers every corpus holds
 already, so more runs of them measure the same thing with less noise (a scenario of 32 requests at 16 in flight is
-two chunks of about 0.3 s each).
+two chunks of about 0.3 s each). ``--engine-runs N`` (with ``--interleave``) runs all of that N times, every engine
+started afresh each time, and pools the runs: two engine processes running the same code can differ by 5-10 % for
+their whole lives on a CPU, more than the differences between methods worth measuring.
 
 tau = (completion - 1) / verify steps, pooled (design §1; an AR step of the planner counts as a verify step of
 accept length 1). Outputs are compared token for token with the no-speculation run. ``--device cuda`` runs the
@@ -374,13 +377,17 @@ def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[l
 def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs: dict[str, dict[str, str]],
                     scenarios: dict[str, tuple[list[dict[str, Any]], int]], log_dir: Path | None, warm: Warm = (),
                     code_roots: dict[str, Path] | None = None,
-                    repeats: dict[str, int] | None = None) -> list[dict[str, Any]]:
+                    repeats: dict[str, int] | None = None, engine_runs: int = 1) -> list[dict[str, Any]]:
     """Every method's fresh engine alive at once; each scenario's requests in chunks (2 x in flight, at least
     4), every chunk run by every method in an order that rotates from chunk to chunk, so that a busy spell on a
     shared machine hits all methods alike; a scenario's chunks ``repeats[name]`` times over (default once). An
     engine that fails to start (or dies) gives a row with ``error``; the others go on. ``code_roots``: per method,
-    another commit's package to run (``EngineProcess``)."""
+    another commit's package to run (``EngineProcess``). ``engine_runs``: all of it that many times over, every
+    method's engine started afresh each time (logs appended), pooled: one engine process runs the same code up to
+    5-10 % faster or slower than another for its whole life (on a CPU at least), so that several engines per method
+    average out what one engine's draw would decide."""
     rows = {m: {"method": m, "scenarios": {}} for m in methods}
+    parts: dict[str, dict[str, list]] = {name: {m: [] for m in methods} for name in scenarios}
     engines: dict[str, EngineProcess] = {}
 
     def fail(m: str, exc: BaseException) -> None:
@@ -391,43 +398,50 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
         if eng is not None:
             eng.close()
 
-    try:
+    for run in range(engine_runs):
+        if engine_runs > 1:
+            print(f"[bench] engine run {run + 1}/{engine_runs}", file=sys.stderr, flush=True)
+        try:
+            for m in methods:
+                if rows[m].get("error"):
+                    continue
+                try:
+                    engines[m] = EngineProcess(kwargs[m], env=envs[m], wait=False,
+                                               log_path=(log_dir / f"{m}.log") if log_dir else None,
+                                               code_root=(code_roots or {}).get(m), append_log=run > 0)
+                except Exception as exc:
+                    fail(m, exc)
+            for m in list(engines):
+                try:
+                    started = engines[m].wait_ready().startup_s
+                    rows[m].setdefault("startup_s", started)
+                    _warm_up(engines[m], warm)
+                except Exception as exc:
+                    fail(m, exc)
+            for name, (reqs, c) in scenarios.items():
+                size = max(2 * c, 4)
+                live = [m for m in methods if m in engines]
+                starts = list(range(0, len(reqs), size)) * (repeats or {}).get(name, 1)
+                for k, i in enumerate(starts):
+                    order = live[k % len(live):] + live[: k % len(live)] if live else []
+                    for m in order:
+                        if m not in engines:
+                            continue
+                        try:
+                            parts[name][m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1"))
+                        except Exception as exc:
+                            fail(m, exc)
+        finally:
+            for eng in engines.values():
+                eng.close()
+            engines.clear()
+    for name in scenarios:
         for m in methods:
-            try:
-                engines[m] = EngineProcess(kwargs[m], env=envs[m], wait=False,
-                                           log_path=(log_dir / f"{m}.log") if log_dir else None,
-                                           code_root=(code_roots or {}).get(m))
-            except Exception as exc:
-                fail(m, exc)
-        for m in list(engines):
-            try:
-                rows[m]["startup_s"] = engines[m].wait_ready().startup_s
-                _warm_up(engines[m], warm)
-            except Exception as exc:
-                fail(m, exc)
-        for name, (reqs, c) in scenarios.items():
-            size = max(2 * c, 4)
-            live = [m for m in methods if m in engines]
-            parts: dict[str, list] = {m: [] for m in live}
-            starts = list(range(0, len(reqs), size)) * (repeats or {}).get(name, 1)
-            for k, i in enumerate(starts):
-                order = live[k % len(live):] + live[: k % len(live)] if live else []
-                for m in order:
-                    if m not in engines:
-                        continue
-                    try:
-                        parts[m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1"))
-                    except Exception as exc:
-                        fail(m, exc)
-            for m in live:
-                if m in engines and parts[m]:
-                    row = rows[m]["scenarios"][name] = _pool(parts[m])
-                    print(f"[bench] {m} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
-                          file=sys.stderr, flush=True)
-        return [rows[m] for m in methods]
-    finally:
-        for eng in engines.values():
-            eng.close()
+            if not rows[m].get("error") and parts[name][m]:
+                row = rows[m]["scenarios"][name] = _pool(parts[name][m])
+                print(f"[bench] {m} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
+                      file=sys.stderr, flush=True)
+    return [rows[m] for m in methods]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -475,7 +489,7 @@ def _levels(text: str, flag: str, p: argparse.ArgumentParser) -> list[int]:
 
 def _report(args: argparse.Namespace, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
     return {"device": args.device, "prompts": args.prompts, "wild": args.wild, "max_tokens": args.max_tokens,
-            "repeat": args.repeat,
+            "repeat": args.repeat, "engine_runs": args.engine_runs,
             "model": str(args.model), "drafter": str(args.drafter), "overlap": args.overlap, **extra,
             "methods": [{**r, "scenarios": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
                                             for k, v in r["scenarios"].items()}} for r in rows]}
@@ -556,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interleave", action="store_true",
                    help="all methods' engines alive at once, request chunks alternating between them (a shared, "
                         "busy machine); default: one method after the other")
+    p.add_argument("--engine-runs", type=int, default=1,
+                   help="with --interleave: the whole run N times, every engine started afresh each time, pooled "
+                        "(one engine process can run 5-10 %% faster or slower than another for its whole life)")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
@@ -570,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--prompts and --max-tokens must be >= 1, --wild >= 0")
     if not 1 <= args.repeat <= 100:
         p.error(f"--repeat must be in [1, 100], got {args.repeat}")
+    if not 1 <= args.engine_runs <= 10:
+        p.error(f"--engine-runs must be in [1, 10], got {args.engine_runs}")
+    if args.engine_runs > 1 and not args.interleave:
+        p.error("--engine-runs runs the interleaved harness again with fresh engines: give --interleave")
     for path, what in ((args.model, "--model"), (args.drafter, "--drafter")):
         if not (path / "config.json").is_file():
             p.error(f"{what} {path}: no config.json (build the demo with `glance demo build` or pass a directory)")
@@ -619,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.interleave and runnable:
         print(f"[bench] {', '.join(runnable)}: starting SGLang ({args.device}), interleaved", file=sys.stderr,
               flush=True)
-        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir, warm, code_roots, repeats):
+        for r in run_interleaved(runnable, kwargs, envs, scenarios, args.log_dir, warm, code_roots, repeats,
+                                 args.engine_runs):
             _log_stats(args, r, stats)
             done[r["method"]] = r
     else:

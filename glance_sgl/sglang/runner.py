@@ -239,10 +239,12 @@ class EngineProcess:
     """An ``sglang.Engine`` in a child process (``python -m glance_sgl.sglang.runner``). ``code_root``: a folder
     holding another ``glance_sgl`` (:func:`export_package`), which the child runs instead of this one (its working
     directory and the head of its ``PYTHONPATH``, ahead of the installed package; SGLang's plugin entry point
-    imports it from there too)."""
+    imports it from there too). ``append_log``: add to ``log_path`` (an engine started again for the same method)
+    instead of starting it afresh."""
 
     def __init__(self, engine_kwargs: dict[str, Any], env: dict[str, str] | None = None, log_path=None,
-                 timeout: float = 300.0, wait: bool = True, code_root: Path | None = None) -> None:
+                 timeout: float = 300.0, wait: bool = True, code_root: Path | None = None,
+                 append_log: bool = False) -> None:
         engine_kwargs = {**engine_kwargs}
         if engine_kwargs.get("nccl_port") is None:
             engine_kwargs["nccl_port"] = rendezvous_port()
@@ -260,7 +262,7 @@ class EngineProcess:
             child_env["PYTHONPATH"] = os.pathsep.join(
                 [str(code_root)] + [x for x in child_env.get("PYTHONPATH", "").split(os.pathsep) if x])
         self.log_path = log_path
-        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self._log = open(log_path, "a" if append_log else "w") if log_path else subprocess.DEVNULL
         # the working directory leads sys.path under ``python -m``: a code root's package must not be shadowed by
         # a checkout the parent runs in
         self.proc = subprocess.Popen(

@@ -138,6 +138,17 @@ def test_repeat_runs_only_the_scenarios_that_replay_answers_and_is_bounded(capsy
         assert exc.value.code == 2 and "--repeat must be in [1, 100]" in capsys.readouterr().err
 
 
+def test_engine_runs_is_bounded_and_needs_the_interleaved_harness(capsys):
+    """``--engine-runs``: the interleaved run again with fresh engines (pooled); a bad count, or asking for it
+    without ``--interleave``, is a CLI error naming the flag."""
+    for argv, message in ((["--engine-runs", "0", "--interleave"], "--engine-runs must be in [1, 10]"),
+                          (["--engine-runs", "11", "--interleave"], "--engine-runs must be in [1, 10]"),
+                          (["--engine-runs", "2"], "give --interleave")):
+        with pytest.raises(SystemExit) as exc:
+            bench.main([*argv, "--methods", "none"])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_method_may_run_at_an_earlier_commit(tmp_path, capsys):
     """``glance#REV``: the method's engine runs the package of commit REV (before / after in one interleaved run);
     the export is that commit's tree, and a bad commit or folder is refused before any engine starts."""
