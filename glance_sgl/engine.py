@@ -515,18 +515,25 @@ class GlanceEngine:
             assert self.ngram is not None
             self.ngram.set_key(rid, ngram_key)  # scope per-key: the tenant's corpus
             self.ngram.start(rid, prompt.input_ids[0].tolist(), planner is None or planner.looks_first())
+        policy = None if mode == "ar" else planner if planner is not None else AlwaysDraft(self.block_size - 1)
+        # the drafter's context is kept from the prompt on, unless the planner retires the request at birth (where
+        # the drafter idles: its prompt's tap features are neither captured nor projected)
+        keeps = policy is not None and policy.admit(rid)
         try:
-            state, rows = self.target.prefill(prompt, taps=self._taps(mode))
+            state, rows = self.target.prefill(prompt, taps=self._taps(mode) if keeps else None)
         except BaseException:
             if ngram:
                 self.ngram.finish(rid, publish=False)
+            if policy is not None:
+                policy.forget(rid)
             raise
         first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec)[0])
         request = None
-        if mode != "ar":
-            policy = planner if planner is not None else AlwaysDraft(self.block_size - 1)
+        if policy is not None:
+            weight = self.drafter.fc.weight
+            context = rows.taps if keeps else weight.new_zeros(0, weight.shape[1])
             request = SpeculativeRequest(rid, policy,
-                                         CachedDrafter.start(self.drafter, rows.taps, self.branch_k, mode == "chain"),
+                                         CachedDrafter.start(self.drafter, context, self.branch_k, mode == "chain"),
                                          CachePass(self.target, state, self._taps(mode)))
             policy.begin(request.rid, entropy_nats(rows.logits[-1]))
             if ngram:

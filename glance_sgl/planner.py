@@ -779,10 +779,24 @@ class Planner:
     def drafter_idle(self) -> bool:
         """Whether the drafter knows almost nothing of today's traffic: requests' first drafting rounds and probes
         both rarely pay (``START_RARE``, ``PROBE_RARE``). Then a request whose probe failed is retired
-        (``RequestPlanState.retired``) instead of waiting ``MAX_PROBE_INTERVAL`` rounds for the next. A new request
-        is not: it may be one the drafter knows (it probes after its hold)."""
+        (``RequestPlanState.retired``) instead of waiting ``MAX_PROBE_INTERVAL`` rounds for the next, and a new
+        request is retired at birth (:meth:`admit`) unless it explores. A request that started before keeps its
+        hold and its probe: it may be one the drafter knows."""
         return self.mode == "auto" and self.starts_paid / self.starts < START_RARE \
             and self.probe_success() < PROBE_RARE
+
+    def admit(self, rid: object) -> bool:
+        """A new request, before its prefill: whether the engine keeps the drafter's context for it from its prompt
+        on. Not where the drafter idles (:meth:`drafter_idle`): the request is retired at birth, so the drafter costs
+        it nothing (no tap features captured or written, no probe), except every ``EXPLORE``-th new request, which
+        keeps its context and probes at once, so that a return of traffic the drafter knows is still noticed
+        (its paying first round ends the idling). Asked again (a prompt prefilled in chunks, or again after a
+        retraction), the answer stands."""
+        known = rid in self.requests
+        st = self.state(rid)
+        if not known and not st.explorer and self.drafter_idle():
+            st.retired = True
+        return not st.retired
 
     def keeps_context(self, rids: Sequence[object]) -> bool:
         """Whether the engine keeps the drafter's context current through this round (the target's tap features
@@ -1266,6 +1280,9 @@ class AlwaysDraft:
     def merge_worth(self, rids: Sequence[object], alternative: Plan) -> list[bool]:
         return [True] * len(rids)
 
+    def admit(self, rid: object) -> bool:
+        return True
+
     def keeps_context(self, rids: Sequence[object]) -> bool:
         return True
 
@@ -1294,11 +1311,20 @@ class RandomPlanner(Planner):
     """A test policy: each batch drafts with probability 2/3 (for each of its requests with probability 3/4, at
     least one) and then verifies a random number of nodes (0 .. max), otherwise runs a plain AR step; seeded.
     Lossless must hold whatever a planner picks, since every prefix of a best-first tree (the root alone included)
-    is a valid tree. Requests retire at random (:meth:`draft_mask`). Feedback and costs are recorded as usual."""
+    is a valid tree. Requests retire at random, at birth (:meth:`admit`) or later (:meth:`draft_mask`). Feedback and
+    costs are recorded as usual."""
 
     def __init__(self, *args, seed: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rng = random.Random(seed)
+        self.birth_rng = random.Random(seed + 1)  # apart, so that the rounds' draws do not depend on admissions
+
+    def admit(self, rid) -> bool:
+        """Retires one new request in 8 at birth (no drafter context from its prompt on); asked again, the answer
+        stands."""
+        if rid not in self.requests:
+            self.state(rid).retired = self.birth_rng.random() < 1 / 8
+        return not self.state(rid).retired
 
     def draft_mask(self, rids, alternative: Plan | None = None) -> list[bool]:
         """Also retires each request with probability 1/64 a round (never drafted for again: the engine stops

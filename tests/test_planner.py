@@ -316,6 +316,32 @@ def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_t
     assert not planner.drafter_idle()
 
 
+def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explorers():
+    """``admit`` (before a request's prefill): where the drafter idles, a new request keeps no drafter context
+    and never drafts, except every EXPLORE-th, which keeps it and probes at once; where such a probe pays, the
+    idling ends and new requests keep their context again. Planners that do not idle admit every request."""
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+    tree = random_tree(6, 15, sharp=8.0)
+    assert planner.admit("first") and not planner.drafter_idle()  # nothing known yet: every request admitted
+    planner.forget("first")
+    for i in range(6):  # a run of requests the drafter does not know
+        drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
+    assert planner.drafter_idle()
+    rids = [f"new{i}" for i in range(2 * EXPLORE)]
+    admitted = [planner.admit(r) for r in rids]
+    assert sum(admitted) == 2 and admitted == [planner.state(r).explorer for r in rids]
+    born_retired = rids[admitted.index(False)]
+    assert not planner.keeps_context([born_retired])
+    assert drafted_steps(planner, born_retired, tree, accepted=6, steps=100, forget=False) == []
+    assert not planner.admit(born_retired)  # asked again (a prompt prefilled in chunks): the answer stands
+    explorer = rids[admitted.index(True)]
+    assert drafted_steps(planner, explorer, tree, accepted=6, steps=6)[0] <= MIN_PROBE_INTERVAL
+    assert not planner.drafter_idle() and planner.admit("after")
+    fixed = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7, mode="fixed")
+    fixed.starts_paid, fixed.probes_paid = 0.0, 0.0  # statistics of an idle drafter: "fixed" retires nothing
+    assert all(fixed.admit(r) for r in rids)
+
+
 def test_where_first_rounds_never_pay_one_new_request_in_explore_drafts_at_once():
     """Requests the drafter knows but whose answers are shorter than the hold still bring drafting back: every
     EXPLORE-th new request probes at its first round."""
