@@ -65,6 +65,8 @@ START_HOLD_LONG = 16  # ... and this many while they almost never do (share belo
 START_RARE = 0.1
 EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request drafts at once all the same, so a
 # return of requests the drafter knows is noticed even when their answers are shorter than the hold
+EXPLORE_IDLE = 4  # ... every EXPLORE_IDLE-th while the drafter idles (the others are retired at birth: ``admit``),
+# so that such a return costs at most EXPLORE_IDLE - 1 requests their drafting
 GAIN_EVIDENCE = 3.0  # a gain table of a rival bin with matches (one per bin) with fewer observations than this is
 # still being explored: a new request whose matches fall in its bin drafts in its first round (else the gate would
 # only ever read the table's prior there)
@@ -750,6 +752,7 @@ class Planner:
     starts_paid: float = 1.0
     starts: float = 1.0
     new_requests: int = 0
+    explore_debt: bool = False  # an explorer ended before its first round (a one-token request): the next explores
     cheap_ms: float | None = None  # measured ms per request of a lookup of the sources without a model pass
     # ... what they gave drafting rounds over all requests (NGRAM_ALL_TREND), and requests' first ones (FIRST_TREND)
     lookups_all: LookupRecord = field(default_factory=LookupRecord)
@@ -772,7 +775,9 @@ class Planner:
             share = self.starts_paid / self.starts
             hold = START_HOLD_LONG if share < START_RARE else START_HOLD if share < PROBE_RARE else 0
             self.new_requests += 1
-            explorer = self.new_requests % EXPLORE == 0
+            explorer = self.new_requests % (EXPLORE_IDLE if self.drafter_idle() else EXPLORE) == 0
+            if not explorer and self.explore_debt:
+                explorer, self.explore_debt = True, False
             st = self.requests[rid] = RequestPlanState(hold=0 if explorer else hold, explorer=explorer)
         return st
 
@@ -788,9 +793,9 @@ class Planner:
     def admit(self, rid: object) -> bool:
         """A new request, before its prefill: whether the engine keeps the drafter's context for it from its prompt
         on. Not where the drafter idles (:meth:`drafter_idle`): the request is retired at birth, so the drafter costs
-        it nothing (no tap features captured or written, no probe), except every ``EXPLORE``-th new request, which
-        keeps its context and probes at once, so that a return of traffic the drafter knows is still noticed
-        (its paying first round ends the idling). Asked again (a prompt prefilled in chunks, or again after a
+        it nothing (no tap features captured or written, no probe), except every ``EXPLORE_IDLE``-th new request
+        (an explorer), which keeps its context and probes at once, so that a return of traffic the drafter knows
+        is still noticed (its paying first round ends the idling). Asked again (a prompt prefilled in chunks, or again after a
         retraction), the answer stands."""
         known = rid in self.requests
         st = self.state(rid)
@@ -807,8 +812,11 @@ class Planner:
         return not all(self.state(r).retired for r in rids)
 
     def forget(self, rid: object) -> None:
-        """Drop everything kept for request ``rid`` (it ended)."""
-        self.requests.pop(rid, None)
+        """Drop everything kept for request ``rid`` (it ended). An explorer that ended before it drafted (a request
+        of one token) hands its role to the next new request."""
+        st = self.requests.pop(rid, None)
+        if st is not None and st.explorer and st.drafted_rounds == 0:
+            self.explore_debt = True
         self.leads.pop(rid, None)
 
     def known(self) -> set:

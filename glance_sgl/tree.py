@@ -407,11 +407,9 @@ def pack_trees(packed: Sequence[tuple[list[int], list[int], list[int], list[floa
         depths.append(dep + [1] * pad)
         scores.append(sco + [float("-inf")] * pad)
         tags.append(tag + [SOURCE_NONE] * pad)
-    return DraftTree(
-        torch.tensor(tokens, dtype=torch.long, device=device), torch.tensor(parents, dtype=torch.long, device=device),
-        torch.tensor(depths, dtype=torch.long, device=device), torch.tensor(scores, dtype=torch.float32, device=device),
-        torch.tensor(tags, dtype=torch.long, device=device),
-    )
+    # the integer fields in one tensor (a host tree is a few dozen values: the calls cost more than the copies)
+    ints = torch.tensor([tokens, parents, depths, tags], dtype=torch.long, device=device)
+    return DraftTree(ints[0], ints[1], ints[2], torch.tensor(scores, dtype=torch.float32, device=device), ints[3])
 
 
 def _rows_per_request(rows: int | Sequence[int], bs: int) -> list[int]:

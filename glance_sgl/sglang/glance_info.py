@@ -116,3 +116,26 @@ def build_verify_input(tree, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
         parents=parents,
     )
     return VerifyTensors(spec, tokens, out_cache_loc, meta.tree_mask)
+
+
+def accept_window(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                  accepted_rows: torch.Tensor, n: int) -> None:
+    """Keep a verify step's accepted rows by reordering the slots of each request's verify window, not by moving
+    K/V: the window ``req_to_token[r, seq_lens[b] : seq_lens[b] + n]`` (row ``j``'s K/V at its ``j``-th slot)
+    becomes the accepted rows' slots in path order (``accepted_rows`` [bs, D+1], root first, -1 padding; D < n),
+    then the other rows' slots, in row order. The window keeps the same slots (the request's, reserved for the
+    step): only which position each serves changes, so the allocator's accounting is untouched. In place, on the
+    table's device, no host read. For token-level slots (page size 1): a page of several tokens must stay whole."""
+    device = req_to_token.device
+    bs = accepted_rows.shape[0]
+    offsets, _ = _verify_constants(bs, n, device)  # [1, n]
+    rows = req_pool_indices.long()[:, None]
+    cols = seq_lens.long()[:, None] + offsets
+    window = req_to_token[rows, cols]  # [bs, n]
+    acc = accepted_rows.to(device).long()
+    rank = torch.arange(acc.shape[1], device=device).expand(bs, -1)
+    # sort key: an accepted row's rank on the path, every other row after them (n + row); padding (-1) writes the
+    # root's key again (0), so that duplicate indices of the scatter all carry the same value
+    key = (offsets + n).expand(bs, -1).scatter(1, acc.clamp(min=0), torch.where(acc >= 0, rank, 0))
+    req_to_token[rows, cols] = window.gather(1, key.argsort(dim=1))
+

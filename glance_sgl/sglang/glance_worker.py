@@ -16,8 +16,8 @@ SGLang plumbing around it:
   :class:`SGLangRows` (the target pass: a tree of R > 1 rows gets the TARGET_VERIFY input, FULL mask, positions
   ``prefix + depth``, SGLang adding the M-RoPE delta; a 1-row tree, a plain AR step, is SGLang's own DECODE
   forward of the root; either way the pass writes the first R of the N KV slots SGLang reserved per request
-  after its prefix; grammar masks; the accepted rows' K/V moved to the front of the verify window,
-  ``glance_kernels.compact_kv``). The round returns a ``GenerationBatchResult`` whose accept lengths include the
+  after its prefix; grammar masks; the accepted rows' K/V kept at the front of the verify window by reordering its
+  slots, ``glance_info.accept_window``). The round returns a ``GenerationBatchResult`` whose accept lengths include the
   bonus token (an AR step is a verify step with accept length 1; SGLang fills ``spec_verify_ct``,
   ``spec_accept_length``... in ``meta_info``). On CUDA (or with ``GLANCE_SGL_STEP=device``) tree, walk and
   commits stay on the device: a step reads a few numbers per batch on the host (the planner's), never logits or
@@ -59,7 +59,7 @@ from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
 from .draft_graph import DraftPassRunner, draft_pass
 from .draft_pool import DraftKVPool, committed_slots
 from .drafter_model import GlanceDrafterForSGLang
-from .glance_info import GlanceDraftInput, build_verify_input
+from .glance_info import GlanceDraftInput, accept_window, build_verify_input
 from .graphs import VerifyGraphs, graph_widths
 from .planning import BatchCostModel, load_batch_costs, make_planner
 from .settings import WorkerSettings
@@ -151,6 +151,7 @@ class GlanceWorker(BaseSpecWorker):
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_runner: DraftPassRunner | None = None
         self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+        self.page_size = int(getattr(server_args, "page_size", 1) or 1)
         self.settings = WorkerSettings.from_env()  # every GLANCE setting, validated once (settings.py)
         self._profile = self.settings.profile
         # the decode step on the device (tree, walk, commits: no host copy of logits or trees): the default on
@@ -718,7 +719,7 @@ class GlanceWorker(BaseSpecWorker):
                          ) -> None:
         """Draft K/V of the rows a step committed (root + accepted nodes, ``counts`` [bs] of the ``rows``
         [bs, W] columns, -1 padding), written at the slots their target K/V now occupy (positions ``seq_lens[b] +
-        j`` after ``compact_kv``). Fixed shapes: padding columns write to the padding slot. Deferred: a run of AR
+        j`` after the keep). Fixed shapes: padding columns write to the padding slot. Deferred: a run of AR
         steps is projected in one call when the drafter next reads the pool."""
         bs, width = rows.shape
         if taps.shape[1] == 1:  # an AR step: each request's one row, at position seq_lens[b]
@@ -806,7 +807,7 @@ class _PassEvents:
 
 class SGLangRows:
     """The worker's target pass for ``glance_sgl.round`` (``TargetRows``), bound to one decode batch: SGLang's
-    verify or AR forward (:meth:`GlanceWorker._pass`), the grammar mask, and ``compact_kv``."""
+    verify or AR forward (:meth:`GlanceWorker._pass`), the grammar mask, and the keep (``accept_window``)."""
 
     def __init__(self, worker: GlanceWorker, batch: ScheduleBatch, seq_lens_cpu: list[int], pp_proxy_tensors) -> None:
         self.worker, self.batch, self.seq_lens_cpu, self.pp_proxy_tensors = worker, batch, seq_lens_cpu, pp_proxy_tensors
@@ -827,15 +828,20 @@ class SGLangRows:
         return PassOutput(logits, taps, result, device_ms=None if timer is None else timer.ms)
 
     def keep(self, tree: DraftTree, walk: WalkResult) -> None:
-        """The accepted rows' K/V to the front of each verify window (root first); nothing to move where every
-        accepted row already sits at its depth (a host step checks: its walk is host data)."""
+        """The accepted rows' K/V at the front of each verify window (root first): with token-level slots (page size
+        1) the window's slots are reordered (``accept_window``: a few index ops, no K/V moved), else the K/V are
+        moved (``glance_kernels.compact_kv``, every layer). Nothing to do where every accepted row already sits at
+        its depth (a host step checks: its walk is host data)."""
         w = self.worker
         if not w.device_step and all(r == j for rows in walk.accepted_rows.tolist() for j, r in enumerate(rows)
                                      if r >= 0):
             return
+        table = w.req_to_token_pool.req_to_token
+        if w.page_size == 1 and max(self.seq_lens_cpu) + tree.num_rows <= table.shape[1]:
+            accept_window(table, self.batch.req_pool_indices, self.batch.seq_lens, walk.accepted_rows, tree.num_rows)
+            return
         kv = w.token_to_kv_pool_allocator.get_kvcache()
         # the slot table's columns up to the widest verify window, not whole rows (bs x context length a step)
-        table = w.req_to_token_pool.req_to_token
         limit = min(max(self.seq_lens_cpu) + tree.num_rows, table.shape[1])
         glance_kernels.compact_kv(list(kv.k_buffer) + list(kv.v_buffer),
                                   table[self.batch.req_pool_indices.long(), :limit], 1,
