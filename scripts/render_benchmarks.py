@@ -181,6 +181,10 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
     repeat = report.get("repeat", 1)
     runs = (f" The scenarios after the first of each kind (they replay answers seen before) ran {repeat} times, "
             f"pooled." if repeat > 1 else "")
+    engine_runs = report.get("engine_runs", 1)
+    if engine_runs > 1:
+        runs += (f" The whole run was made {engine_runs} times, every engine started afresh each time, pooled (one "
+                 f"engine process can run the same code 5-10 % faster or slower than another for its whole life).")
     lines = [f"Made by {_provenance(run)}. Device {report['device']}, {report['prompts']} demo prompts and "
              f"{report['wild']} wild ones, up to {report['max_tokens']} new tokens, the bundled demo pair, radix "
              f"cache on.{runs} Output tokens/s = completion tokens / wall time (prefill included); decode tok/s "
