@@ -65,8 +65,6 @@ START_HOLD_LONG = 16  # ... and this many while they almost never do (share belo
 START_RARE = 0.1
 EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request drafts at once all the same, so a
 # return of requests the drafter knows is noticed even when their answers are shorter than the hold
-EXPLORE_IDLE = 4  # ... every EXPLORE_IDLE-th while the drafter idles (the others are retired at birth: ``admit``),
-# so that such a return costs at most EXPLORE_IDLE - 1 requests their drafting
 GAIN_EVIDENCE = 3.0  # a gain table of a rival bin with matches (one per bin) with fewer observations than this is
 # still being explored: a new request whose matches fall in its bin drafts in its first round (else the gate would
 # only ever read the table's prior there)
@@ -775,7 +773,7 @@ class Planner:
             share = self.starts_paid / self.starts
             hold = START_HOLD_LONG if share < START_RARE else START_HOLD if share < PROBE_RARE else 0
             self.new_requests += 1
-            explorer = self.new_requests % (EXPLORE_IDLE if self.drafter_idle() else EXPLORE) == 0
+            explorer = self.new_requests % EXPLORE == 0
             if not explorer and self.explore_debt:
                 explorer, self.explore_debt = True, False
             st = self.requests[rid] = RequestPlanState(hold=0 if explorer else hold, explorer=explorer)
@@ -793,9 +791,9 @@ class Planner:
     def admit(self, rid: object) -> bool:
         """A new request, before its prefill: whether the engine keeps the drafter's context for it from its prompt
         on. Not where the drafter idles (:meth:`drafter_idle`): the request is retired at birth, so the drafter costs
-        it nothing (no tap features captured or written, no probe), except every ``EXPLORE_IDLE``-th new request
-        (an explorer), which keeps its context and probes at once, so that a return of traffic the drafter knows
-        is still noticed (its paying first round ends the idling). Asked again (a prompt prefilled in chunks, or again after a
+        it nothing (no tap features captured or written, no probe), except every ``EXPLORE``-th new request (an
+        explorer), which keeps its context and probes at once, so that a return of traffic the drafter knows is
+        still noticed (its paying first round ends the idling; at most EXPLORE - 1 such requests lose theirs). Asked again (a prompt prefilled in chunks, or again after a
         retraction), the answer stands."""
         known = rid in self.requests
         st = self.state(rid)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from glance_sgl.planner import (EXPLORE, EXPLORE_IDLE, FIRST_RECHECK, GAIN_EVIDENCE, FIRST_TREND, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG, CostModel,
+from glance_sgl.planner import (EXPLORE, FIRST_RECHECK, GAIN_EVIDENCE, FIRST_TREND, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG, CostModel,
                                 DepthCalibration, EntropyTable, Planner, RoundReport, calibrate, cost_key,
                                 default_row_grid, load_costs, save_costs)
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
@@ -318,7 +318,7 @@ def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_t
 
 def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explorers():
     """``admit`` (before a request's prefill): where the drafter idles, a new request keeps no drafter context
-    and never drafts, except every EXPLORE_IDLE-th (an explorer), which keeps it and probes at once; where such a
+    and never drafts, except every EXPLORE-th (an explorer), which keeps it and probes at once; where such a
     probe pays, the idling ends and new requests keep their context again. Planners that do not idle admit every
     request."""
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
@@ -328,7 +328,7 @@ def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explor
     for i in range(6):  # a run of requests the drafter does not know
         drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
     assert planner.drafter_idle()
-    rids = [f"new{i}" for i in range(2 * EXPLORE_IDLE)]
+    rids = [f"new{i}" for i in range(2 * EXPLORE)]
     admitted = [planner.admit(r) for r in rids]
     assert sum(admitted) == 2 and admitted == [planner.state(r).explorer for r in rids]
     born_retired = rids[admitted.index(False)]
@@ -337,7 +337,7 @@ def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explor
     assert not planner.admit(born_retired)  # asked again (a prompt prefilled in chunks): the answer stands
     # an explorer that ends before its first round (a one-token request) hands its role to the next new request
     planner.forget(rids[admitted.index(True)])
-    while (planner.new_requests + 1) % EXPLORE_IDLE == 0:  # the next new request does not explore by its count
+    while (planner.new_requests + 1) % EXPLORE == 0:  # the next new request does not explore by its count
         planner.admit(f"filler{planner.new_requests}")
     assert planner.admit("next") and planner.state("next").explorer
     assert drafted_steps(planner, "next", tree, accepted=6, steps=6)[0] <= MIN_PROBE_INTERVAL
