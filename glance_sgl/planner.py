@@ -551,7 +551,7 @@ class RequestPlanState:
     a model pass (n-gram matches) did better, while its drafting pays over an AR step (its rounds without matches
     still weigh drafting, :meth:`off_for`); ``retired``: drafting is off for the rest of the request and no probe
     comes (where every request of a round is retired the engine stops keeping the drafter's context,
-    :meth:`Planner.keeps_context`, so the drafter costs nothing on traffic it does not know).
+    :meth:`Planner.context_mask`, so the drafter costs nothing on traffic it does not know).
     """
 
     recent_accepted: float = 0.0
@@ -793,21 +793,22 @@ class Planner:
         on. Not where the drafter idles (:meth:`drafter_idle`): the request is retired at birth, so the drafter costs
         it nothing (no tap features captured or written, no probe), except every ``EXPLORE``-th new request (an
         explorer), which keeps its context and probes at once, so that a return of traffic the drafter knows is
-        still noticed (its paying first round ends the idling; at most EXPLORE - 1 such requests lose theirs). Asked again (a prompt prefilled in chunks, or again after a
-        retraction), the answer stands."""
+        still noticed (its paying first round ends the idling; at most EXPLORE - 1 such requests lose theirs).
+        Asked again (a prompt prefilled in chunks, or again after a retraction), the answer stands."""
         known = rid in self.requests
         st = self.state(rid)
         if not known and not st.explorer and self.drafter_idle():
             st.retired = True
         return not st.retired
 
-    def keeps_context(self, rids: Sequence[object]) -> bool:
-        """Whether the engine keeps the drafter's context current through this round (the target's tap features
-        captured, the committed rows fed to the drafter): unless every request of ``rids`` is retired (or the
-        planner never speculates). A retired request never drafts again, so the context it misses is never read."""
+    def context_mask(self, rids: Sequence[object]) -> list[bool]:
+        """Per request of ``rids``, whether the engine keeps its drafter context current through this round (its
+        committed rows fed to the drafter; the pass captures the tap features where any request's is kept): not
+        for a retired request (nor any where the planner never speculates). A retired request never drafts again,
+        so the context it misses is never read."""
         if self.mode == "off":
-            return False
-        return not all(self.state(r).retired for r in rids)
+            return [False] * len(rids)
+        return [not self.state(r).retired for r in rids]
 
     def forget(self, rid: object) -> None:
         """Drop everything kept for request ``rid`` (it ended). An explorer that ended before it drafted (a request
@@ -1289,8 +1290,8 @@ class AlwaysDraft:
     def admit(self, rid: object) -> bool:
         return True
 
-    def keeps_context(self, rids: Sequence[object]) -> bool:
-        return True
+    def context_mask(self, rids: Sequence[object]) -> list[bool]:
+        return [True] * len(rids)
 
     acceptance = None  # other sources score their nodes with their own priors
 

@@ -70,7 +70,9 @@ class RoundBatch:
     counter); ``specs``: each request's sampling; ``tokens``: each request's tokens so far (prompt + output), for
     sources that match on them (None where no source needs them); ``roots_host``: the roots as a host list where
     the engine knows them without reading the device (else :meth:`host_roots` reads them once); ``members``: the
-    requests' indices in the engine's batch where this is a part of it (:meth:`select`), None: the whole batch.
+    requests' indices in the engine's batch where this is a part of it (:meth:`select`), None: the whole batch;
+    ``context``: set by the round for the sources it feeds, the requests whose drafter context it keeps (None: every
+    one; ``RoundPolicy.context_mask``).
     """
 
     rids: Sequence[Hashable]
@@ -80,6 +82,7 @@ class RoundBatch:
     tokens: Sequence[Sequence[int]] | None = None
     roots_host: list[int] | None = None
     members: list[int] | None = None
+    context: Sequence[bool] | None = None
 
     def select(self, members: Sequence[int]) -> "RoundBatch":
         """The requests ``members`` (indices into this batch) as a batch of their own, for a source that
@@ -91,7 +94,8 @@ class RoundBatch:
         return RoundBatch([self.rids[b] for b in members], self.roots[idx], self.next_index[idx],
                           [self.specs[b] for b in members],
                           None if self.tokens is None else [self.tokens[b] for b in members],
-                          None if self.roots_host is None else [self.roots_host[b] for b in members], outer)
+                          None if self.roots_host is None else [self.roots_host[b] for b in members], outer,
+                          None if self.context is None else [self.context[b] for b in members])
 
     def host_roots(self) -> list[int]:
         """``roots`` as a host list (read once per round, where the engine did not hand them over)."""
@@ -166,7 +170,7 @@ class RoundPolicy(Protocol):
 
     def merge_worth(self, rids: Sequence[Hashable], alternative: Plan) -> list[bool]: ...
 
-    def keeps_context(self, rids: Sequence[Hashable]) -> bool: ...
+    def context_mask(self, rids: Sequence[Hashable]) -> list[bool]: ...
 
     def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor,
                sources: torch.Tensor | None = None, drafter_ran: bool = True,
@@ -241,9 +245,10 @@ def propose(sources: Sequence[CandidateSource], batch: RoundBatch, rows: int | S
     return one_tree([s.propose(batch, rows) for s in sources], rows, max_depth)
 
 
-def agree_mask(target: TargetRows, mask: Sequence[bool]) -> list[bool]:
-    """``mask`` as every rank takes it (rank 0's; :meth:`TargetRows.agree` of its bits as one int)."""
-    bits = target.agree(sum(1 << b for b, m in enumerate(mask) if m))
+def agree_mask(agree: Callable[[int], int], mask: Sequence[bool]) -> list[bool]:
+    """``mask`` as every rank takes it (rank 0's: ``agree``, e.g. :meth:`TargetRows.agree`, of its bits as one
+    int)."""
+    bits = agree(sum(1 << b for b, m in enumerate(mask) if m))
     return [bool(bits >> b & 1) for b in range(len(mask))]
 
 
@@ -302,13 +307,16 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
                                                                    fallback.sources, drafter_ran=False)
     cheap_s = time.perf_counter() - t0
     # 2. gate: for which requests does the drafter's pass pay now, over that round? (every rank takes rank 0's)
-    #    ... and whether the drafter's context is kept through this round (not where every request is retired: the
-    #    drafter never drafts for them again), agreed in the same broadcast
+    #    ... and whose drafter context is kept through this round (not a retired request's: the drafter never drafts
+    #    for it again), agreed in the same broadcast
+    n = batch.size
     if drafters:
-        *mask, keep = agree_mask(target, planner.draft_mask(batch.rids, alternative)
-                                 + [planner.keeps_context(batch.rids)])
+        agreed = agree_mask(target.agree, planner.draft_mask(batch.rids, alternative)
+                            + planner.context_mask(batch.rids))
+        mask, context = agreed[:n], agreed[n:]
     else:
-        mask, keep = [False] * batch.size, False
+        mask, context = [False] * n, [False] * n
+    keep = any(context)
     drafting = any(mask)
     keeps_leads = True  # whether the planner keeps this round's lead entropies (a drafting round's: always)
     if drafting:
@@ -354,8 +362,9 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     #    before the read), read the outcome back, feed the other sources from it
     if tree.num_rows > 1:
         target.keep(tree, walk)
+    fed = batch if all(context) else dataclasses.replace(batch, context=context)
     for source in with_pass if feeds else ():
-        source.commit(batch, out.taps, walk)
+        source.commit(fed, out.taps, walk)
     lead_logits = lead_rows(out.logits, walk) if drafting or keeps_leads else None
     lead_tensor = None if lead_logits is None else entropy_tensor(lead_logits)
     launched = time.perf_counter()

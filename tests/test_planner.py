@@ -300,7 +300,7 @@ def test_where_probes_rarely_pay_new_requests_wait_before_drafting_and_back_off_
 
 def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_the_request():
     """Where first rounds and probes almost never pay, a request whose probe fails is retired: it never drafts or
-    probes again, and a round of retired requests only keeps no drafter context (``keeps_context``); a new request
+    probes again, and a retired request's drafter context is no longer kept (``context_mask``); a new request
     still probes after its hold (it may be one the drafter knows)."""
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
     tree = random_tree(6, 15, sharp=8.0)
@@ -309,8 +309,7 @@ def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_t
     assert planner.drafter_idle()
     # its probe after the hold (not retired before it), and nothing after it (MAX_PROBE_INTERVAL would probe again)
     assert drafted_steps(planner, "late", tree, accepted=0, steps=300, forget=False) == [START_HOLD_LONG]
-    assert planner.state("late").retired and not planner.keeps_context(["late"])
-    assert planner.keeps_context(["late", "new"])  # a request that may still draft keeps the batch's context
+    assert planner.state("late").retired and planner.context_mask(["late", "new"]) == [False, True]
     assert not planner.state("new").retired
     planner.mode = "fixed"  # only "auto" retires
     assert not planner.drafter_idle()
@@ -332,7 +331,7 @@ def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explor
     admitted = [planner.admit(r) for r in rids]
     assert sum(admitted) == 2 and admitted == [planner.state(r).explorer for r in rids]
     born_retired = rids[admitted.index(False)]
-    assert not planner.keeps_context([born_retired])
+    assert planner.context_mask([born_retired]) == [False]
     assert drafted_steps(planner, born_retired, tree, accepted=6, steps=100, forget=False) == []
     assert not planner.admit(born_retired)  # asked again (a prompt prefilled in chunks): the answer stands
     # an explorer that ends before its first round (a one-token request) hands its role to the next new request

@@ -52,12 +52,12 @@ from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.metrics import entropies_nats
 from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource
 from glance_sgl.planner import cost_key, default_row_grid, save_costs
-from glance_sgl.round import PassOutput, RoundBatch, RoundResult, calibrate_round, speculative_round
+from glance_sgl.round import PassOutput, RoundBatch, RoundResult, agree_mask, calibrate_round, speculative_round
 from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree
 from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
 
 from .draft_graph import DraftPassRunner, draft_pass
-from .draft_pool import DraftKVPool, committed_slots
+from .draft_pool import PAD_SLOT, DraftKVPool, committed_slots
 from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceDraftInput, accept_window, build_verify_input
 from .graphs import VerifyGraphs, graph_widths
@@ -337,10 +337,12 @@ class GlanceWorker(BaseSpecWorker):
     def _extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         bs = len(batch.reqs)
         # the requests whose drafter context is kept from their prompt on (``Planner.admit``: not those retired at
-        # birth, where the drafter idles); none kept: the prefill captures no tap features
+        # birth, where the drafter idles; rank 0's choice under tensor parallelism, since the planners' statistics
+        # differ between ranks and every rank's drafter must read the same context); none kept: the prefill
+        # captures no tap features
         capture, keep = self._capture, None
         if capture == CaptureHiddenMode.FULL and batch.forward_mode.is_extend() and bs > 0:
-            keep = [self.planner.admit(req.rid) for req in batch.reqs]
+            keep = agree_mask(self._agree, [self.planner.admit(req.rid) for req in batch.reqs])
             if not any(keep):
                 capture = CaptureHiddenMode.NULL
         result = self.target_worker.forward_batch_generation(
@@ -559,7 +561,7 @@ class GlanceWorker(BaseSpecWorker):
         backend 8.5 vs 9.2 ms median for a 1-row TARGET_VERIFY, interleaved engines), else the tree verify.
         With CUDA graphs every pass is a verify, replayed at its width (a 1-row one for an AR step: a speculative
         target has no DECODE graphs); a width without graphs runs eagerly. ``taps`` False: no tap layer captured
-        (every request retired, ``Planner.keeps_context``), except in a graph, which replays its capture anyway."""
+        (every request retired, ``Planner.context_mask``), except in a graph, which replays its capture anyway."""
         graphs = self.verify_graphs
         if graphs is None:
             capture = self._capture if taps else CaptureHiddenMode.NULL
@@ -715,18 +717,23 @@ class GlanceWorker(BaseSpecWorker):
         predict.scatter_(0, torch.where(valid, flat, bs * rows).reshape(-1), tokens[:, :width].long().reshape(-1))
         compute_spec_logprobs(batch, logits_output, predict, accept_index=torch.where(valid, flat, -1))
 
-    def _write_committed(self, batch: ScheduleBatch, taps: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor
-                         ) -> None:
+    def _write_committed(self, batch: ScheduleBatch, taps: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
+                         kept: torch.Tensor | None = None) -> None:
         """Draft K/V of the rows a step committed (root + accepted nodes, ``counts`` [bs] of the ``rows``
         [bs, W] columns, -1 padding), written at the slots their target K/V now occupy (positions ``seq_lens[b] +
         j`` after the keep). Fixed shapes: padding columns write to the padding slot. Deferred: a run of AR
-        steps is projected in one call when the drafter next reads the pool."""
+        steps is projected in one call when the drafter next reads the pool. ``kept`` [bs] bool: the requests whose
+        rows are written (None: every one; the others' go to the padding slot, which a CPU flush drops)."""
         bs, width = rows.shape
         if taps.shape[1] == 1:  # an AR step: each request's one row, at position seq_lens[b]
             positions = batch.seq_lens.long()
             slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices.long(), positions].long()
+            if kept is not None:
+                slots = torch.where(kept, slots, PAD_SLOT)
             self.draft_pool.defer(slots, taps[:, 0], positions)
             return
+        if kept is not None:
+            counts = torch.where(kept, counts, 0)
         idx = rows.clamp(min=0).to(taps.device)
         kept = taps.gather(1, idx[:, :, None].expand(-1, -1, taps.shape[2])).reshape(bs * width, -1)
         slots, positions = committed_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
@@ -874,5 +881,8 @@ class PoolDrafter:
         return self.worker.draft_trees(self.batch, self.seq_lens_cpu, batch.roots, batch.members)
 
     def commit(self, batch: RoundBatch, taps: torch.Tensor, walk: WalkResult) -> None:
+        """The committed rows' draft K/V, deferred; none for the requests whose context the round does not keep
+        (``batch.context``: retired ones)."""
         w = self.worker
-        w._write_committed(self.batch, taps, walk.accepted_rows, walk.accept_lens.to(w.device) + 1)
+        kept = None if batch.context is None else torch.tensor(batch.context, device=w.device)
+        w._write_committed(self.batch, taps, walk.accepted_rows, walk.accept_lens.to(w.device) + 1, kept)
