@@ -629,7 +629,8 @@ class GlanceWorker(BaseSpecWorker):
                               device_resident=self.device_step, on_walk=None if on_publish is None else publish,
                               defer_outcome=overlap)
         self._last_round_end = r.ended
-        self._note_step(r)
+        if self._profile or self._count_reads:  # what the step logs read (StepStats, the host-read line)
+            self._note_step(r)
         if overlap:
             self._pending = (r, gap_ms, set(rids))
         else:
