@@ -362,9 +362,10 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     #    before the read), read the outcome back, feed the other sources from it
     if tree.num_rows > 1:
         target.keep(tree, walk)
-    fed = batch if all(context) else dataclasses.replace(batch, context=context)
-    for source in with_pass if feeds else ():
-        source.commit(fed, out.taps, walk)
+    if feeds and with_pass:
+        fed = batch if all(context) else dataclasses.replace(batch, context=context)
+        for source in with_pass:
+            source.commit(fed, out.taps, walk)
     lead_logits = lead_rows(out.logits, walk) if drafting or keeps_leads else None
     lead_tensor = None if lead_logits is None else entropy_tensor(lead_logits)
     launched = time.perf_counter()

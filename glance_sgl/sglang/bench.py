@@ -398,39 +398,47 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
         if eng is not None:
             eng.close()
 
+    def start(run: int) -> None:
+        """Every method's engine that has not failed, started (logs appended after the first run) and warmed up."""
+        for m in methods:
+            if rows[m].get("error"):
+                continue
+            try:
+                engines[m] = EngineProcess(kwargs[m], env=envs[m], wait=False,
+                                           log_path=(log_dir / f"{m}.log") if log_dir else None,
+                                           code_root=(code_roots or {}).get(m), append_log=run > 0)
+            except Exception as exc:
+                fail(m, exc)
+        for m in list(engines):
+            try:
+                rows[m].setdefault("startup_s", engines[m].wait_ready().startup_s)
+                _warm_up(engines[m], warm)
+            except Exception as exc:
+                fail(m, exc)
+
+    def measure() -> None:
+        """Every scenario's chunks, each run by every live engine in a rotating order, into ``parts``."""
+        for name, (reqs, c) in scenarios.items():
+            size = max(2 * c, 4)
+            live = [m for m in methods if m in engines]
+            if not live:
+                continue
+            starts = list(range(0, len(reqs), size)) * (repeats or {}).get(name, 1)
+            for k, i in enumerate(starts):
+                for m in live[k % len(live):] + live[: k % len(live)]:
+                    if m not in engines:
+                        continue
+                    try:
+                        parts[name][m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1"))
+                    except Exception as exc:
+                        fail(m, exc)
+
     for run in range(engine_runs):
         if engine_runs > 1:
             print(f"[bench] engine run {run + 1}/{engine_runs}", file=sys.stderr, flush=True)
         try:
-            for m in methods:
-                if rows[m].get("error"):
-                    continue
-                try:
-                    engines[m] = EngineProcess(kwargs[m], env=envs[m], wait=False,
-                                               log_path=(log_dir / f"{m}.log") if log_dir else None,
-                                               code_root=(code_roots or {}).get(m), append_log=run > 0)
-                except Exception as exc:
-                    fail(m, exc)
-            for m in list(engines):
-                try:
-                    started = engines[m].wait_ready().startup_s
-                    rows[m].setdefault("startup_s", started)
-                    _warm_up(engines[m], warm)
-                except Exception as exc:
-                    fail(m, exc)
-            for name, (reqs, c) in scenarios.items():
-                size = max(2 * c, 4)
-                live = [m for m in methods if m in engines]
-                starts = list(range(0, len(reqs), size)) * (repeats or {}).get(name, 1)
-                for k, i in enumerate(starts):
-                    order = live[k % len(live):] + live[: k % len(live)] if live else []
-                    for m in order:
-                        if m not in engines:
-                            continue
-                        try:
-                            parts[name][m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1"))
-                        except Exception as exc:
-                            fail(m, exc)
+            start(run)
+            measure()
         finally:
             for eng in engines.values():
                 eng.close()

@@ -719,22 +719,22 @@ class GlanceWorker(BaseSpecWorker):
         compute_spec_logprobs(batch, logits_output, predict, accept_index=torch.where(valid, flat, -1))
 
     def _write_committed(self, batch: ScheduleBatch, taps: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
-                         kept: torch.Tensor | None = None) -> None:
+                         context: torch.Tensor | None = None) -> None:
         """Draft K/V of the rows a step committed (root + accepted nodes, ``counts`` [bs] of the ``rows``
         [bs, W] columns, -1 padding), written at the slots their target K/V now occupy (positions ``seq_lens[b] +
         j`` after the keep). Fixed shapes: padding columns write to the padding slot. Deferred: a run of AR
-        steps is projected in one call when the drafter next reads the pool. ``kept`` [bs] bool: the requests whose
+        steps is projected in one call when the drafter next reads the pool. ``context`` [bs] bool: the requests whose
         rows are written (None: every one; the others' go to the padding slot, which a CPU flush drops)."""
         bs, width = rows.shape
         if taps.shape[1] == 1:  # an AR step: each request's one row, at position seq_lens[b]
             positions = batch.seq_lens.long()
             slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices.long(), positions].long()
-            if kept is not None:
-                slots = torch.where(kept, slots, PAD_SLOT)
+            if context is not None:
+                slots = torch.where(context, slots, PAD_SLOT)
             self.draft_pool.defer(slots, taps[:, 0], positions)
             return
-        if kept is not None:
-            counts = torch.where(kept, counts, 0)
+        if context is not None:
+            counts = torch.where(context, counts, 0)
         idx = rows.clamp(min=0).to(taps.device)
         kept = taps.gather(1, idx[:, :, None].expand(-1, -1, taps.shape[2])).reshape(bs * width, -1)
         slots, positions = committed_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices,
@@ -885,5 +885,5 @@ class PoolDrafter:
         """The committed rows' draft K/V, deferred; none for the requests whose context the round does not keep
         (``batch.context``: retired ones)."""
         w = self.worker
-        kept = None if batch.context is None else torch.tensor(batch.context, device=w.device)
-        w._write_committed(self.batch, taps, walk.accepted_rows, walk.accept_lens.to(w.device) + 1, kept)
+        context = None if batch.context is None else torch.tensor(batch.context, device=w.device)
+        w._write_committed(self.batch, taps, walk.accepted_rows, walk.accept_lens.to(w.device) + 1, context)
