@@ -179,12 +179,21 @@ class RoundPolicy(Protocol):
     def report(self, report: RoundReport) -> None: ...
 
 
+# a round's parts (RoundResult.phases): the lookups of the sources without a model pass, the plan of their round,
+# the drafter's gate, the drafter's pass with the merge and the plan of its round (or the record of a round without
+# it), the verify tree, the target pass, the walk, the KV keep, the drafter's context and the lead entropies, the
+# outcome's read with the other sources' feeding, the planner's report
+PHASES = ("lookup", "plan", "gate", "draft", "tree", "pass", "walk", "keep", "feed", "commit", "report")
+
+
 @dataclass
 class RoundResult:
     """One round: the verified ``tree`` [bs, R], its ``walk``, the policy's ``plan``, the pass's output and the
     report the planner got (its ms fields are the round's timings); ``ended``: ``time.perf_counter()`` at the
     report (an engine measures what happens between rounds from it). A round whose outcome is read later
-    (``speculative_round(defer_outcome=True)``) has no report until :meth:`settle`."""
+    (``speculative_round(defer_outcome=True)``) has no report until :meth:`settle`. ``phases``: wall ms of the
+    round's parts in order (:data:`PHASES`; a part the round skipped is absent, a deferred round's ``commit`` and
+    ``report`` arrive with :meth:`settle`): where a round's host time goes (``GLANCE_SGL_PROFILE=1`` logs them)."""
 
     tree: DraftTree
     walk: WalkResult
@@ -193,6 +202,7 @@ class RoundResult:
     report: RoundReport | None
     ended: float
     _settle: Callable[[], RoundReport] | None = None
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def settle(self) -> RoundReport:
         """Read the outcome back, feed the sources without a model pass and report to the planner, once (a no-op
@@ -303,9 +313,11 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     looked = sum(1 for n in looks if n > 1)
     with on_host():
         fallback = propose(cheap, batch, looks, max_depth) if looked else None
+        t_look = time.perf_counter()
         alternative = None if fallback is None else planner.choose(batch.rids, fallback.scores, fallback.depths,
                                                                    fallback.sources, drafter_ran=False)
-    cheap_s = time.perf_counter() - t0
+    t_plan = time.perf_counter()
+    cheap_s = t_plan - t0
     # 2. gate: for which requests does the drafter's pass pay now, over that round? (every rank takes rank 0's)
     #    ... and whose drafter context is kept through this round (not a retired request's: the drafter never drafts
     #    for it again), agreed in the same broadcast
@@ -318,6 +330,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         mask, context = [False] * n, [False] * n
     keep = any(context)
     drafting = any(mask)
+    t_gate = time.perf_counter()
     keeps_leads = True  # whether the planner keeps this round's lead entropies (a drafting round's: always)
     if drafting:
         # 3. the drafter's candidates (read back once) merged with the others, and how many rows of them to verify;
@@ -345,6 +358,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
                             (fallback, dataclasses.replace(alternative, keeps_leads=keeps_leads)))
         planned = candidates
     # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs (the root alone: an AR step)
+    t_draft = time.perf_counter()
     active = candidates is not None
     width = target.agree(target.width(plan.nodes + 1)) if active else 1
     tree = candidates.prefix(width).to(batch.roots.device) if active else root_tree(batch.roots)
@@ -358,10 +372,12 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
                        max_depth=min(max_depth, tree.num_rows - 1), device_resident=device_resident)
     if on_walk is not None:
         on_walk(walk)
+    t_walk = time.perf_counter()
     # 7. keep the root's and the accepted rows' K/V, 8. feed the drafter what was committed (device work, queued
     #    before the read), read the outcome back, feed the other sources from it
     if tree.num_rows > 1:
         target.keep(tree, walk)
+    t_keep = time.perf_counter()
     if feeds and with_pass:
         fed = batch if all(context) else dataclasses.replace(batch, context=context)
         for source in with_pass:
@@ -376,6 +392,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         with on_host():
             for source in without_pass:
                 source.commit(batch, out.taps, walk)
+            t_commit = time.perf_counter()
             # what the round the drafter had to beat would have accepted on its own (its share of this round's
             # tokens)
             rival = drafting and alternative is not None and alternative.nodes > 0
@@ -399,9 +416,12 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
                                  pass_ms=pass_ms, host_ms=host_ms, alternative=alternative if rival else None,
                                  alone=alone, cheap_ms=1000.0 * lookup_s / looked if looked else None)
             planner.report(report)
+        result.phases.update(commit=1000.0 * (t_commit - ts), report=1000.0 * (time.perf_counter() - t_commit))
         return report
 
-    result = RoundResult(tree, walk, plan, out, None, launched, settle)
+    ms = [1000.0 * (b - a) for a, b in ((t0, t_look), (t_look, t_plan), (t_plan, t_gate), (t_gate, t_draft),
+                                         (t_draft, t2), (t2, t3), (t3, t_walk), (t_walk, t_keep), (t_keep, launched))]
+    result = RoundResult(tree, walk, plan, out, None, launched, settle, dict(zip(PHASES, ms)))
     if not defer_outcome:
         result.settle()
         result.ended = time.perf_counter()
@@ -422,12 +442,15 @@ def plain_round(batch: RoundBatch, planner: RoundPolicy, target: TargetRows, *, 
                        max_depth=0, device_resident=device_resident)
     if on_walk is not None:
         on_walk(walk)
+    t_walk = time.perf_counter()
     plan = planner.skip(batch.rids)
     ended = time.perf_counter()
     pass_ms = 1000.0 * (t3 - t2) if out.device_ms is None else None  # an asynchronous pass is not timed here
     report = RoundReport(batch.rids, plan, 1, [0] * batch.size, drafter_ms=0.0, pass_ms=pass_ms,
                          host_ms=1000.0 * ((t2 - t0) + (ended - t3)))
-    return RoundResult(tree, walk, plan, out, report, ended)
+    phases = {"tree": 1000.0 * (t2 - t0), "pass": 1000.0 * (t3 - t2), "walk": 1000.0 * (t_walk - t3),
+              "report": 1000.0 * (ended - t_walk)}
+    return RoundResult(tree, walk, plan, out, report, ended, phases=phases)
 
 
 def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batch: RoundBatch,
@@ -450,7 +473,7 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
     return calibrate(run_verify, run_draft, [(r, bs) for r in row_grid], [bs], repeats=repeats, key=key, smooth=smooth)
 
 
-__all__ = ["DRAFT_SOURCES", "DEFAULT_DRAFT_SOURCES", "check_draft_sources",
+__all__ = ["DRAFT_SOURCES", "PHASES", "DEFAULT_DRAFT_SOURCES", "check_draft_sources",
            "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
            "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose",
            "one_tree", "only_requests", "agree_mask"]

@@ -4,13 +4,15 @@ committed prefix, greedy output equal to the AR path's, and calibration passes t
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from glance_sgl.drafter import CachedDrafter
 from glance_sgl.engine import SamplingParams
 from glance_sgl.metrics import entropy_nats
 from glance_sgl.planner import Planner, RandomPlanner, RoundReport
-from glance_sgl.round import RoundBatch, calibrate_round, speculative_round
+from glance_sgl.round import PHASES, RoundBatch, calibrate_round, speculative_round
 from glance_sgl.target import CachePass
 from glance_sgl.verify import SamplingSpec
 
@@ -44,9 +46,14 @@ def test_round_reports_once_keeps_the_committed_prefix_and_matches_ar(engines):
     rounds, drafted = 0, 0
     while len(committed) < len(ar):
         batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
+        t0 = time.perf_counter()
         r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
+        wall_ms = 1000.0 * (time.perf_counter() - t0)
         rounds += 1
         drafted += r.drafted
+        # every part of the round timed, in order, adding up to no more than the round's wall time
+        assert list(r.phases) == list(PHASES) and all(ms >= 0 for ms in r.phases.values())
+        assert sum(r.phases.values()) <= wall_ms
         committed += r.walk.committed()[0]
         # the cache holds the prompt and every committed token but the newest (the next round's root)
         assert state.length == prompt.num_tokens + len(committed) - 1
@@ -145,6 +152,7 @@ def test_planner_off_never_proposes_and_decodes_as_ar(engines):
         batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
         r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
         assert not r.drafted and r.tree.num_rows == 1
+        assert list(r.phases) == ["tree", "pass", "walk", "report"]  # nothing planned, looked up or fed
         committed += r.walk.committed()[0]
     assert committed[: len(ar)] == ar and source.proposed == 0 and source.committed == 0  # nothing fed either
 
@@ -256,6 +264,8 @@ def test_a_deferred_outcome_is_read_and_reported_when_settled(engines):
             r = speculative_round(batch, planner, [source], CachePass(target, state, taps),
                                   max_depth=engine.block_size - 1, defer_outcome=defer)
             assert (r.report is None) == defer and len(planner.reports) == reports_before + (not defer)
+            # a deferred round's outcome read and report are timed when it settles
+            assert ("commit" in r.phases and "report" in r.phases) != defer
             committed += r.walk.committed()[0]
             pending = r if defer else None
         if pending is not None:

@@ -31,7 +31,9 @@ harness, chunk by chunk.
 
 ``--step-stats`` (with ``--log-dir``) logs every GLANCE step (``GLANCE_SGL_PROFILE=1``, a small cost for the GLANCE
 methods alike) and adds the mean rows verified per request and step to the table (NGRAM verifies
-``--ngram-draft-tokens`` rows, DFLASH its block size, no speculation 1). ``--count-host-reads`` (with
+``--ngram-draft-tokens`` rows, DFLASH its block size, no speculation 1), and, per GLANCE method and step kind, the
+mean wall ms per step of each part of its round (``host_ms_per_step``: the worker's last ``GLANCE host ms per step``
+line, warm-up included; one line of the table each: where the host time of a step goes). ``--count-host-reads`` (with
 ``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
 (``GLANCE_SGL_COUNT_HOST_READS=1``, a cost: do not read its speeds) and reports the max / mean per step, overall and
 by (batch size, rows verified per request).
@@ -237,6 +239,7 @@ def failed_row(method: str, exc: BaseException | str) -> dict[str, Any]:
 
 
 _STEP = re.compile(r"GLANCE step bs=(\d+) .*? target\[(\d+)\]")
+_PHASES = re.compile(r"GLANCE host ms per step by kind: (\{[^\n]*\})")
 _HOST_READS = re.compile(r"GLANCE host reads bs=(\d+) rows=(\d+): (\d+) (\{[^\n]*\})?")
 
 
@@ -277,6 +280,20 @@ def host_reads(log: Path) -> dict[str, Any] | None:
     kind_key = lambda k: (int(k.split()[0].split("=")[1]), k.split()[1])  # noqa: E731
     return {**stats(every), "by_kind": {k: stats(kinds[k]) for k in sorted(kinds, key=kind_key)},
             "by_shape": {k: stats(per[k]) for k in sorted(per, key=key)}, "calls": dict(sorted(calls.items()))}
+
+
+def host_ms_per_step(log: Path) -> dict[str, dict[str, float]] | None:
+    """The last ``GLANCE host ms per step by kind`` line of a GLANCE engine's profile log (``StepStats``): per step
+    kind its steps and the mean ms of each part of the round. None: no log or no such line."""
+    import ast
+
+    if not log.is_file():
+        return None
+    found = _PHASES.findall(log.read_text(errors="replace"))
+    try:
+        return ast.literal_eval(found[-1]) if found else None
+    except (ValueError, SyntaxError):
+        return None
 
 
 def rows_per_step(log: Path) -> float | None:
@@ -474,6 +491,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{name:<11} {r['method']:<13} {s['tokens_per_s']:>12.1f} {ratio:>7.2f}x "
                          f"{dec if dec else float('nan'):>12.1f} {dratio:>7.2f}x {s['tau']:>6.2f} {same:>10}")
     for r in rows:
+        for kind, parts in (r.get("host_ms_per_step") or {}).items():
+            lines.append(f"ms per step, {r['method']} {kind} ({parts['steps']} steps): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in parts.items() if k != "steps"))
+    for r in rows:
         if r.get("host_reads"):
             h = r["host_reads"]
             lines.append(f"host reads per decode step, {r['method']}: max {h['max']}, mean {h['mean']:.2f} over "
@@ -539,6 +560,8 @@ def _log_stats(args: argparse.Namespace, r: dict[str, Any], stats: bool) -> None
         r["rows_per_step"] = (rows_per_step(log) if m in GLANCE_METHODS else
                               {"none": 1.0, "ngram": float(args.ngram_draft_tokens),
                                "dflash": float(drafter_block_size(args.drafter))}.get(m))
+        if m in GLANCE_METHODS and log is not None:
+            r["host_ms_per_step"] = host_ms_per_step(log)
     if args.count_host_reads and log is not None and m in GLANCE_METHODS:
         r["host_reads"] = host_reads(log)
 

@@ -52,7 +52,7 @@ from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.metrics import entropies_nats
 from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource
 from glance_sgl.planner import cost_key, default_row_grid, save_costs
-from glance_sgl.round import PassOutput, RoundBatch, RoundResult, agree_mask, calibrate_round, speculative_round
+from glance_sgl.round import PHASES, PassOutput, RoundBatch, RoundResult, agree_mask, calibrate_round, speculative_round
 from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree
 from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
 
@@ -93,11 +93,14 @@ def sampling_spec(req) -> SamplingSpec:
 
 
 class StepStats:
-    """Counts of decode steps by rows verified per request (0 = an AR step: no candidate verified), logged
-    every 200 steps when ``GLANCE_SGL_PROFILE=1``."""
+    """Counts of decode steps by rows verified per request (0 = an AR step: no candidate verified), and the mean
+    wall ms per step of each part of the round (``RoundResult.phases``) and of the time between rounds
+    (``between``: SGLang's scheduler and this worker's preparation) by step kind (:func:`step_kind`), logged every
+    200 steps when ``GLANCE_SGL_PROFILE=1`` (since the start; the bench's ``--step-stats`` reads the last)."""
 
     def __init__(self, log: bool) -> None:
         self.log, self.steps, self.rows = log, 0, {}
+        self.kinds: dict[str, dict[str, float]] = {}  # kind -> phase -> ms summed, and "steps"
 
     def record(self, bs: int, rows: int) -> None:
         self.steps += 1
@@ -105,6 +108,29 @@ class StepStats:
         if self.log and self.steps % 200 == 0:
             logger.warning("GLANCE steps %d, rows per request (0 = no draft): %s", self.steps,
                            dict(sorted(self.rows.items())))
+            logger.warning("GLANCE host ms per step by kind: %s", self.phase_means())
+
+    def add_phases(self, kind: str, phases: dict[str, float], between_ms: float | None) -> None:
+        """One settled step's parts (ms)."""
+        sums = self.kinds.setdefault(kind, dict.fromkeys(("steps", "between", *PHASES), 0.0))
+        sums["steps"] += 1
+        for name, ms in (phases if between_ms is None else {"between": between_ms, **phases}).items():
+            sums[name] += ms
+
+    def phase_means(self) -> dict[str, dict[str, float]]:
+        """Per step kind: its steps and the mean ms per step of each part it had (in round order, ``between``
+        first)."""
+        return {kind: {"steps": int(sums["steps"]), **{k: round(v / sums["steps"], 3) for k, v in sums.items()
+                                                        if k != "steps" and v > 0}}
+                for kind, sums in sorted(self.kinds.items())}
+
+
+def step_kind(r: RoundResult) -> str:
+    """A step's kind: ``ar`` (the root alone), ``ngram`` (candidates without the drafter), ``drafter`` (its tree
+    alone) or ``merged`` (its tree with the n-gram matches)."""
+    if r.drafted:
+        return "drafter" if r.tree.sources is None else "merged"
+    return "ngram" if r.tree.num_rows > 1 else "ar"
 
 
 class GlanceWorker(BaseSpecWorker):
@@ -667,17 +693,14 @@ class GlanceWorker(BaseSpecWorker):
     def _note_step(self, r: RoundResult) -> None:
         """Step statistics: rows verified per request, the step's kind."""
         rows = r.tree.num_rows if r.drafted or r.tree.num_rows > 1 else 0  # n-gram rows without the drafter too
-        self.stats.record(r.tree.batch_size, rows)
         self._last_rows = rows
-        # the step's kind: an AR step, n-gram candidates only, the drafter's tree, or both merged
-        if r.drafted:
-            self._last_kind = "drafter" if r.tree.sources is None else "merged"
-        else:
-            self._last_kind = "ngram" if r.tree.num_rows > 1 else "ar"
+        self._last_kind = step_kind(r)
+        self.stats.record(r.tree.batch_size, rows)
 
     def _log_report(self, r: RoundResult, gap_ms: float | None) -> None:
         """With ``GLANCE_SGL_PROFILE=1``, the parts of a step whose outcome was read (its report)."""
         if self._profile:
+            self.stats.add_phases(step_kind(r), r.phases, gap_ms)
             rep = r.report
             logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s",
                            rep.batch, "-" if gap_ms is None else f"{gap_ms:.1f}ms",

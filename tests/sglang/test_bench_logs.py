@@ -186,3 +186,33 @@ def test_engines_started_together_get_distinct_free_rendezvous_ports():
     assert len(set(ports)) == len(ports) and all(22000 <= p <= 29999 for p in ports)
     with socket.socket() as sock:
         sock.bind(("0.0.0.0", ports[-1]))  # nothing holds it
+
+
+def test_step_stats_log_the_mean_ms_of_each_part_of_a_round_and_the_bench_reads_them(tmp_path):
+    """The worker's ``StepStats`` (``GLANCE_SGL_PROFILE=1``) log per step kind the mean ms of the round's parts
+    every 200 steps, through the worker's logger; the bench's ``--step-stats`` reads the last such line."""
+    import logging
+
+    from glance_sgl.round import PHASES
+    from glance_sgl.sglang import glance_worker
+
+    log = tmp_path / "glance.log"
+    handler = logging.FileHandler(log)
+    glance_worker.logger.addHandler(handler)
+    try:
+        stats = glance_worker.StepStats(log=True)
+        for i in range(400):
+            kind = "ngram" if i % 4 else "merged"
+            parts = {p: (2.0 if p == "pass" else 0.5) for p in PHASES}
+            stats.add_phases(kind, parts, None if i == 0 else 1.0 + (i % 2))
+            stats.record(8, 8)
+    finally:
+        glance_worker.logger.removeHandler(handler)
+        handler.close()
+    got = bench.host_ms_per_step(log)
+    assert got == stats.phase_means() and set(got) == {"merged", "ngram"}
+    assert got["ngram"]["steps"] == 300 and got["merged"]["steps"] == 100
+    assert list(got["ngram"]) == ["steps", "between", *PHASES] and got["ngram"]["pass"] == 2.0
+    assert got["ngram"]["between"] == round((200 * 2.0 + 100 * 1.0) / 300, 3)  # odd steps 2 ms, the others 1 ms
+    assert got["merged"]["between"] == round(99 / 100, 3)  # the first step had none before it
+    assert bench.host_ms_per_step(tmp_path / "none.log") is None
