@@ -95,7 +95,7 @@ def sampling_spec(req) -> SamplingSpec:
 class StepStats:
     """Counts of decode steps by rows verified per request (0 = an AR step: no candidate verified), and the mean
     wall ms per step of each part of the round (``RoundResult.phases``) and of the time between rounds
-    (``between``: SGLang's scheduler and this worker's preparation) by step kind (:func:`step_kind`), logged every
+    (``between``: SGLang's scheduler and result processing; ``prepare``: this worker's) by step kind (:func:`step_kind`), logged every
     200 steps when ``GLANCE_SGL_PROFILE=1`` (since the start; the bench's ``--step-stats`` reads the last)."""
 
     def __init__(self, log: bool) -> None:
@@ -110,11 +110,17 @@ class StepStats:
                            dict(sorted(self.rows.items())))
             logger.warning("GLANCE host ms per step by kind: %s", self.phase_means())
 
-    def add_phases(self, kind: str, phases: dict[str, float], between_ms: float | None) -> None:
-        """One settled step's parts (ms)."""
-        sums = self.kinds.setdefault(kind, dict.fromkeys(("steps", "between", *PHASES), 0.0))
+    def add_phases(self, kind: str, phases: dict[str, float], between_ms: float | None, prepare_ms: float = 0.0
+                   ) -> None:
+        """One settled step's parts (ms): the round's ``phases``, and before it the time since the previous round
+        ended (``between_ms``; None: unknown, the first step after a prefill), of which ``prepare_ms`` was this
+        worker's own preparation of the step (the rest, ``between``, is SGLang's)."""
+        sums = self.kinds.setdefault(kind, dict.fromkeys(("steps", "between", "prepare", *PHASES), 0.0))
         sums["steps"] += 1
-        for name, ms in (phases if between_ms is None else {"between": between_ms, **phases}).items():
+        sums["prepare"] += prepare_ms
+        if between_ms is not None:
+            sums["between"] += max(between_ms - prepare_ms, 0.0)
+        for name, ms in phases.items():
             sums[name] += ms
 
     def phase_means(self) -> dict[str, dict[str, float]]:
@@ -223,8 +229,9 @@ class GlanceWorker(BaseSpecWorker):
         self._last_round_end: float | None = None  # when the previous decode step's round ended (perf_counter s)
         self._last_rids: list = []  # the previous decode batch's requests (its host state purged for the others)
         # under overlap scheduling: the previous step's round, its outcome not read yet (_settle), with its
-        # scheduler gap (ms) and its requests; and the requests that finished meanwhile (forgotten after it)
-        self._pending: tuple[RoundResult, float | None, set] | None = None
+        # scheduler gap and its own preparation (ms) and its requests; and the requests that finished meanwhile
+        # (forgotten after it)
+        self._pending: tuple[RoundResult, float | None, float, set] | None = None
         self._finishing: set = set()
         self._sampling: dict[str, tuple[object, SamplingSpec]] = {}  # rid -> (its Req, its sampling): ``_specs``
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
@@ -296,7 +303,7 @@ class GlanceWorker(BaseSpecWorker):
                 self.ngram.finish(rid, publish=False)
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
-        if self._pending is not None and rid in self._pending[2]:
+        if self._pending is not None and rid in self._pending[3]:
             # its last step's outcome is not read yet (overlap scheduling): forgotten once it is, so that its
             # answer reaches the n-gram corpus whole, without waiting here for a step still running
             self._finishing.add(rid)
@@ -309,10 +316,10 @@ class GlanceWorker(BaseSpecWorker):
         device runs it: the n-gram source and the planner get it before anything plans again. Then the requests
         that finished meanwhile are forgotten. Nothing to do synchronously (each round reads its own)."""
         if self._pending is not None:
-            r, gap_ms, _ = self._pending
+            r, gap_ms, prepare_ms, _ = self._pending
             self._pending = None
             r.settle()
-            self._log_report(r, gap_ms)
+            self._log_report(r, gap_ms, prepare_ms)
         for rid in self._finishing:
             self._forget(rid)
         self._finishing.clear()
@@ -616,6 +623,7 @@ class GlanceWorker(BaseSpecWorker):
         """One decode step: the previous step's outcome where it waits (:meth:`_settle`), then
         ``glance_sgl.round.speculative_round`` over the batch, through this worker's adapters (:class:`SGLangRows`,
         :class:`PoolDrafter`), then SGLang's result."""
+        entered = time.perf_counter()
         self._settle()
         rids = [req.rid for req in batch.reqs]
         if rids != self._last_rids:  # purged where the requests changed since the last decode (or a prefill)
@@ -651,6 +659,7 @@ class GlanceWorker(BaseSpecWorker):
             on_publish(seq_lens + walk.accept_lens.to(self.device) + 1)
 
         overlap = not self.server_args.disable_overlap_schedule  # the outcome is read when the next step starts
+        prepare_ms = 1000 * (time.perf_counter() - entered)  # this worker's share of the time between rounds
         r = speculative_round(rounds, self.planner, sources, target, max_depth=self.max_depth,
                               device_resident=self.device_step, on_walk=None if on_publish is None else publish,
                               defer_outcome=overlap)
@@ -658,9 +667,9 @@ class GlanceWorker(BaseSpecWorker):
         if self._profile or self._count_reads:  # what the step logs read (StepStats, the host-read line)
             self._note_step(r)
         if overlap:
-            self._pending = (r, gap_ms, set(rids))
+            self._pending = (r, gap_ms, prepare_ms, set(rids))
         else:
-            self._log_report(r, gap_ms)
+            self._log_report(r, gap_ms, prepare_ms)
 
         walk = r.walk
         accept_tokens = torch.zeros(bs, self.draft_token_num, dtype=torch.int32, device=self.device)
@@ -697,10 +706,10 @@ class GlanceWorker(BaseSpecWorker):
         self._last_kind = step_kind(r)
         self.stats.record(r.tree.batch_size, rows)
 
-    def _log_report(self, r: RoundResult, gap_ms: float | None) -> None:
+    def _log_report(self, r: RoundResult, gap_ms: float | None, prepare_ms: float) -> None:
         """With ``GLANCE_SGL_PROFILE=1``, the parts of a step whose outcome was read (its report)."""
         if self._profile:
-            self.stats.add_phases(step_kind(r), r.phases, gap_ms)
+            self.stats.add_phases(step_kind(r), r.phases, gap_ms, prepare_ms)
             rep = r.report
             logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s",
                            rep.batch, "-" if gap_ms is None else f"{gap_ms:.1f}ms",

@@ -204,7 +204,7 @@ def test_step_stats_log_the_mean_ms_of_each_part_of_a_round_and_the_bench_reads_
         for i in range(400):
             kind = "ngram" if i % 4 else "merged"
             parts = {p: (2.0 if p == "pass" else 0.5) for p in PHASES}
-            stats.add_phases(kind, parts, None if i == 0 else 1.0 + (i % 2))
+            stats.add_phases(kind, parts, None if i == 0 else 1.25 + (i % 2), 0.25)
             stats.record(8, 8)
     finally:
         glance_worker.logger.removeHandler(handler)
@@ -212,7 +212,8 @@ def test_step_stats_log_the_mean_ms_of_each_part_of_a_round_and_the_bench_reads_
     got = bench.host_ms_per_step(log)
     assert got == stats.phase_means() and set(got) == {"merged", "ngram"}
     assert got["ngram"]["steps"] == 300 and got["merged"]["steps"] == 100
-    assert list(got["ngram"]) == ["steps", "between", *PHASES] and got["ngram"]["pass"] == 2.0
+    assert list(got["ngram"]) == ["steps", "between", "prepare", *PHASES] and got["ngram"]["pass"] == 2.0
+    assert got["ngram"]["prepare"] == 0.25  # the worker's share, not SGLang's
     assert got["ngram"]["between"] == round((200 * 2.0 + 100 * 1.0) / 300, 3)  # odd steps 2 ms, the others 1 ms
     assert got["merged"]["between"] == round(99 / 100, 3)  # the first step had none before it
     assert bench.host_ms_per_step(tmp_path / "none.log") is None
