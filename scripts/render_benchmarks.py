@@ -195,11 +195,30 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
                          for r in report["methods"] if r.get("rows_per_step") is not None)
     if rows_per:
         lines += ["", f"Rows verified per request and decode step, over the whole run: {rows_per}."]
+    lines += _host_ms_table(report)
     starts = ", ".join(f"{METHOD_LABELS.get(r['method'], r['method'])} {r['startup_s']:.0f} s"
                        for r in report["methods"] if r.get("startup_s") is not None)
     if starts:
         lines += ["", f"Engine start-up (not counted above): {starts}."]
     return "\n".join(lines)
+
+
+def _host_ms_table(report: dict[str, Any]) -> list[str]:
+    """Where a GLANCE step's wall time goes: per method and step kind, the mean ms per step of each part
+    (``--step-stats``' ``host_ms_per_step``, over the whole run, warm-up included); nothing without it."""
+    kinds = [(r["method"], kind, parts) for r in report["methods"]
+             for kind, parts in (r.get("host_ms_per_step") or {}).items()]
+    if not kinds:
+        return []
+    names = list(dict.fromkeys(k for _, _, parts in kinds for k in parts if k != "steps"))
+    rows = [[METHOD_LABELS.get(m, m), kind, str(parts["steps"])] + [_num(parts.get(k)) for k in names]
+            for m, kind, parts in kinds]
+    return ["", "Where a GLANCE step's time goes: mean wall ms per decode step, by step kind (`ar`: the root alone, "
+                "`ngram`: n-gram candidates without the drafter, `drafter` / `merged`: the drafter's tree alone / "
+                "with the matches), over the whole run (warm-up included). `between`: SGLang's scheduler and result "
+                "processing between two steps, `prepare`: the worker's own, then the round's parts in order "
+                "(`pass` is the target's forward; `glance_sgl.round.PHASES`).", ""] + \
+        _table(["method", "step kind", "steps"] + names, rows)
 
 
 def render_headline(report: dict[str, Any], run: dict[str, Any]) -> str:
