@@ -205,7 +205,7 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
 
 def _host_ms_table(report: dict[str, Any]) -> list[str]:
     """Where a GLANCE step's wall time goes: per method and step kind, the mean ms per step of each part
-    (``--step-stats``' ``host_ms_per_step``, over the whole run, warm-up included); nothing without it."""
+    (``--step-stats``' ``host_ms_per_step``: the engine's last profile line); nothing without it."""
     kinds = [(r["method"], kind, parts) for r in report["methods"]
              for kind, parts in (r.get("host_ms_per_step") or {}).items()]
     if not kinds:
@@ -215,7 +215,8 @@ def _host_ms_table(report: dict[str, Any]) -> list[str]:
             for m, kind, parts in kinds]
     return ["", "Where a GLANCE step's time goes: mean wall ms per decode step, by step kind (`ar`: the root alone, "
                 "`ngram`: n-gram candidates without the drafter, `drafter` / `merged`: the drafter's tree alone / "
-                "with the matches), over the whole run (warm-up included). `between`: SGLang's scheduler and result "
+                "with the matches), from the worker's last profile line (every 200 steps of an engine's life, warm-up "
+                "included; with `--engine-runs`, the last run's engine). `between`: SGLang's scheduler and result "
                 "processing between two steps, `prepare`: the worker's own, then the round's parts in order "
                 "(`pass` is the target's forward; `glance_sgl.round.PHASES`).", ""] + \
         _table(["method", "step kind", "steps"] + names, rows)

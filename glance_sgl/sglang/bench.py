@@ -33,7 +33,8 @@ harness, chunk by chunk.
 methods alike) and adds the mean rows verified per request and step to the table (NGRAM verifies
 ``--ngram-draft-tokens`` rows, DFLASH its block size, no speculation 1), and, per GLANCE method and step kind, the
 mean wall ms per step of each part of its round (``host_ms_per_step``: the worker's last ``GLANCE host ms per step``
-line, warm-up included; one line of the table each: where the host time of a step goes). ``--count-host-reads`` (with
+line, logged every 200 steps of the engine's life, warm-up included; with ``--engine-runs`` the last run's engine;
+one line of the table each: where the host time of a step goes). ``--count-host-reads`` (with
 ``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
 (``GLANCE_SGL_COUNT_HOST_READS=1``, a cost: do not read its speeds) and reports the max / mean per step, overall and
 by (batch size, rows verified per request).
