@@ -204,22 +204,29 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
 
 
 def _host_ms_table(report: dict[str, Any]) -> list[str]:
-    """Where a GLANCE step's wall time goes: per method and step kind, the mean ms per step of each part
-    (``--step-stats``' ``host_ms_per_step``: the engine's last profile line); nothing without it."""
-    kinds = [(r["method"], kind, parts) for r in report["methods"]
-             for kind, parts in (r.get("host_ms_per_step") or {}).items()]
+    """Where a GLANCE step's time goes: per scenario and step kind, the mean ms per decode step of each part, for
+    the headline GLANCE method (``--step-stats``: each scenario's ``host_ms_per_step``, read from the engine around
+    every measured chunk; a report without them: the method's whole-life line, per kind). Nothing without either."""
+    method = next((r for r in report["methods"] if r["method"] == "glance"), None) or \
+        next((r for r in report["methods"] if r.get("host_ms_per_step")), None)
+    if method is None:
+        return []
+    per = [(name, s["host_ms_per_step"]) for name, s in method["scenarios"].items() if s.get("host_ms_per_step")]
+    scope = "per scenario (the measured chunks only)"
+    if not per:
+        per, scope = [("whole run", method.get("host_ms_per_step") or {})], "over an engine's life (warm-up included)"
+    kinds = [(name, kind, parts) for name, by_kind in per for kind, parts in by_kind.items()]
     if not kinds:
         return []
     names = list(dict.fromkeys(k for _, _, parts in kinds for k in parts if k != "steps"))
-    rows = [[METHOD_LABELS.get(m, m), kind, str(parts["steps"])] + [_num(parts.get(k)) for k in names]
-            for m, kind, parts in kinds]
-    return ["", "Where a GLANCE step's time goes: mean wall ms per decode step, by step kind (`ar`: the root alone, "
-                "`ngram`: n-gram candidates without the drafter, `drafter` / `merged`: the drafter's tree alone / "
-                "with the matches), from the worker's last profile line (every 200 steps of an engine's life, warm-up "
-                "included; with `--engine-runs`, the last run's engine). `between`: SGLang's scheduler and result "
-                "processing between two steps, `prepare`: the worker's own, then the round's parts in order "
-                "(`pass` is the target's forward; `glance_sgl.round.PHASES`).", ""] + \
-        _table(["method", "step kind", "steps"] + names, rows)
+    rows = [[name if i == 0 or kinds[i - 1][0] != name else "", kind, str(parts["steps"])]
+            + [_num(parts.get(k)) for k in names] for i, (name, kind, parts) in enumerate(kinds)]
+    label = METHOD_LABELS.get(method["method"], method["method"])
+    return ["", f"Where a {label} step's time goes: mean wall ms per decode step, {scope}, by step kind (`ar`: the "
+                "root alone, `ngram`: n-gram candidates without the drafter, `drafter` / `merged`: the drafter's tree "
+                "alone / with the matches). `between`: SGLang's scheduler and result processing between two steps, "
+                "`prepare`: the worker's own, then the round's parts in order (`pass` is the target's forward; "
+                "`glance_sgl.round.PHASES`).", ""] + _table(["scenario", "step kind", "steps"] + names, rows)
 
 
 def render_headline(report: dict[str, Any], run: dict[str, Any]) -> str:

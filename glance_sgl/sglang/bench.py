@@ -32,9 +32,10 @@ harness, chunk by chunk.
 ``--step-stats`` (with ``--log-dir``) logs every GLANCE step (``GLANCE_SGL_PROFILE=1``, a small cost for the GLANCE
 methods alike) and adds the mean rows verified per request and step to the table (NGRAM verifies
 ``--ngram-draft-tokens`` rows, DFLASH its block size, no speculation 1), and, per GLANCE method and step kind, the
-mean wall ms per step of each part of its round (``host_ms_per_step``: the worker's last ``GLANCE host ms per step``
-line, logged every 200 steps of the engine's life, warm-up included; with ``--engine-runs`` the last run's engine;
-one line of the table each: where the host time of a step goes). ``--count-host-reads`` (with
+mean wall ms per step of each part of its round, per scenario (``host_ms_per_step`` of each scenario: the engine's
+step parts read from SGLang's internal state before and after each measured chunk, ``STEP_PARTS_KEY``) and over the
+engine's life (the method's ``host_ms_per_step``: the worker's last ``GLANCE host ms per step`` log line, warm-up
+included; with ``--engine-runs`` the last run's engine); printed one line per step kind: where a step's time goes. ``--count-host-reads`` (with
 ``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
 (``GLANCE_SGL_COUNT_HOST_READS=1``, a cost: do not read its speeds) and reports the max / mean per step, overall and
 by (batch size, rows verified per request).
@@ -79,6 +80,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .plugin import STEP_PARTS_KEY
 from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, export_package, wild_requests
 
 METHODS = ("none", "ngram", "dflash", "glance", "glance-fixed", "glance-off", "glance+ngram", "glance-ngram",
@@ -305,12 +307,35 @@ def rows_per_step(log: Path) -> float | None:
     return sum(rows) / len(rows) if rows else None
 
 
-def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: bool) -> dict[str, Any]:
-    """One engine on ``reqs`` with ``c`` in flight: sums to pool (``decode``: also the max_tokens=1 latencies)."""
+def step_parts(eng: EngineProcess) -> dict[str, dict[str, float]] | None:
+    """A profiling GLANCE engine's step parts so far (SGLang's internal state, ``STEP_PARTS_KEY``: per step kind,
+    steps and ms summed); None where it has none."""
+    states = eng.info().get("internal_states") or []
+    return (states[0] or {}).get(STEP_PARTS_KEY) if states else None
+
+
+def parts_between(before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None
+                  ) -> dict[str, dict[str, float]]:
+    """The step parts of the steps between two :func:`step_parts` readings (kinds without a step left out)."""
+    out = {}
+    for kind, parts in (after or {}).items():
+        old = (before or {}).get(kind, {})
+        diff = {k: v - old.get(k, 0.0) for k, v in parts.items()}
+        if diff.get("steps", 0) > 0:
+            out[kind] = diff
+    return out
+
+
+def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: bool, parts: bool = False
+             ) -> dict[str, Any]:
+    """One engine on ``reqs`` with ``c`` in flight: sums to pool (``decode``: also the max_tokens=1 latencies;
+    ``parts``: the step parts of its steps, read from the engine before and after, outside the timed span)."""
     one = eng.generate([{**r, "max_tokens": 1} for r in reqs])["results"] if decode else None
+    before = step_parts(eng) if parts else None
     t0 = time.perf_counter()
     res = eng.generate(reqs, concurrency=c)["results"]
-    part = {"wall_s": time.perf_counter() - t0, "outputs": [r["output_ids"] for r in res],
+    wall = time.perf_counter() - t0
+    part = {"wall_s": wall, "outputs": [r["output_ids"] for r in res],
             "tokens": sum(r["meta_info"]["completion_tokens"] for r in res),
             "verify": sum(r["meta_info"].get("spec_verify_ct") or 0 for r in res),
             "spec_tokens": sum(r["meta_info"]["completion_tokens"] - 1 for r in res
@@ -319,18 +344,35 @@ def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: boo
         part["decode_s"] = sum(max(f["meta_info"]["e2e_latency"] - o["meta_info"]["e2e_latency"], 0.0)
                                for o, f in zip(one, res))
         part["decode_tokens"] = sum(max(f["meta_info"]["completion_tokens"] - 1, 0) for f in res)
+    if parts:
+        part["step_parts"] = parts_between(before, step_parts(eng))
     return part
+
+
+def mean_parts(sums: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per step kind, the steps and the mean ms per step of each part, over several :func:`parts_between`."""
+    total: dict[str, dict[str, float]] = {}
+    for one in sums:
+        for kind, parts in one.items():
+            acc = total.setdefault(kind, {})
+            for k, v in parts.items():
+                acc[k] = acc.get(k, 0.0) + v
+    return {kind: {"steps": int(acc["steps"]), **{k: round(v / acc["steps"], 3) for k, v in acc.items()
+                                                 if k != "steps" and v > 0}}
+            for kind, acc in sorted(total.items())}
 
 
 def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """A scenario's row from its measured parts (pooled sums)."""
-    tot = {k: sum(p[k] for p in parts) for k in parts[0] if k != "outputs"}
+    tot = {k: sum(p[k] for p in parts) for k in parts[0] if k not in ("outputs", "step_parts")}
     row = {"tokens": tot["tokens"], "wall_s": tot["wall_s"],
            "tokens_per_s": tot["tokens"] / tot["wall_s"] if tot["wall_s"] > 0 else float("nan"),
            "tau": tot["spec_tokens"] / tot["verify"] if tot["verify"] else 1.0,
            "outputs": [o for p in parts for o in p["outputs"]]}
     if "decode_s" in tot:
         row["decode_tokens_per_s"] = tot["decode_tokens"] / tot["decode_s"] if tot["decode_s"] > 0 else float("nan")
+    if "step_parts" in parts[0]:
+        row["host_ms_per_step"] = mean_parts([p["step_parts"] for p in parts])
     return row
 
 
@@ -377,13 +419,15 @@ def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[l
     decode tokens/s. An engine that fails gives a row with ``error`` (and what it measured before)."""
     log = (log_dir / f"{method}.log") if log_dir else None
     out: dict[str, Any] = {"method": method, "scenarios": {}}
+    profiled = (env or {}).get("GLANCE_SGL_PROFILE") == "1"
     try:
         with EngineProcess(kwargs, env=env, log_path=log, code_root=code_root) as eng:
             out["startup_s"] = eng.startup_s
             _warm_up(eng, warm)
             for name, (reqs, c) in scenarios.items():
                 runs = (repeats or {}).get(name, 1)
-                row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1") for _ in range(runs)])
+                row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1", profiled)
+                                                      for _ in range(runs)])
                 print(f"[bench] {method} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
                       file=sys.stderr, flush=True)
     except Exception as exc:  # one method's failure hides none of the others
@@ -406,6 +450,7 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
     average out what one engine's draw would decide."""
     rows = {m: {"method": m, "scenarios": {}} for m in methods}
     parts: dict[str, dict[str, list]] = {name: {m: [] for m in methods} for name in scenarios}
+    profiled = {m for m in methods if envs[m].get("GLANCE_SGL_PROFILE") == "1"}
     engines: dict[str, EngineProcess] = {}
 
     def fail(m: str, exc: BaseException) -> None:
@@ -447,7 +492,8 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
                     if m not in engines:
                         continue
                     try:
-                        parts[name][m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1"))
+                        parts[name][m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1",
+                                                       m in profiled))
                     except Exception as exc:
                         fail(m, exc)
 
@@ -491,10 +537,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             same = f"{sum(x == y for x, y in zip(s['outputs'], b['outputs']))}/{len(s['outputs'])}" if b else "-"
             lines.append(f"{name:<11} {r['method']:<13} {s['tokens_per_s']:>12.1f} {ratio:>7.2f}x "
                          f"{dec if dec else float('nan'):>12.1f} {dratio:>7.2f}x {s['tau']:>6.2f} {same:>10}")
-    for r in rows:
-        for kind, parts in (r.get("host_ms_per_step") or {}).items():
-            lines.append(f"ms per step, {r['method']} {kind} ({parts['steps']} steps): " + ", ".join(
-                f"{k} {v:.2f}" for k, v in parts.items() if k != "steps"))
+    for r in rows:  # per scenario where the engine reported its step parts, else its log's whole-life line
+        per = [(f"{r['method']} {name}", s["host_ms_per_step"]) for name, s in r["scenarios"].items()
+               if s.get("host_ms_per_step")] or [(r["method"], r.get("host_ms_per_step") or {})]
+        for label, kinds in per:
+            for kind, parts in kinds.items():
+                lines.append(f"ms per step, {label} {kind} ({parts['steps']} steps): " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in parts.items() if k != "steps"))
     for r in rows:
         if r.get("host_reads"):
             h = r["host_reads"]

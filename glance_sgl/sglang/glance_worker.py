@@ -123,6 +123,11 @@ class StepStats:
         for name, ms in phases.items():
             sums[name] += ms
 
+    def sums(self) -> dict[str, dict[str, float]]:
+        """Per step kind: its steps and the ms summed over them of each part (a copy; SGLang's internal state
+        carries it, ``glance_step_parts``, so that a client can difference two readings)."""
+        return {kind: dict(parts) for kind, parts in sorted(self.kinds.items())}
+
     def phase_means(self) -> dict[str, dict[str, float]]:
         """Per step kind: its steps and the mean ms per step of each part it had (in round order, ``between``
         first)."""

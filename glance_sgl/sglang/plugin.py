@@ -205,6 +205,33 @@ def register_algorithm() -> None:
     )(_worker_factory)
 
 
+# SGLang's internal state (``/get_server_info``'s ``internal_states``, one per scheduler) gains the GLANCE worker's
+# step parts where it profiles (``GLANCE_SGL_PROFILE=1``): per step kind, steps and ms summed (``StepStats.sums``)
+STEP_PARTS_KEY = "glance_step_parts"
+_INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+
+
+def _add_step_parts(result: Any, controller: Any, state: dict, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook of SGLang's ``SchedulerInternalStateController._add_speculative``: the GLANCE worker's step
+    parts into ``state`` (nothing for another algorithm, or without profiling)."""
+    from .glance_worker import GlanceWorker
+
+    worker = getattr(getattr(controller, "scheduler", None), "draft_worker", None)
+    if isinstance(worker, GlanceWorker) and worker.stats.log:
+        state[STEP_PARTS_KEY] = worker.stats.sums()
+    return None
+
+
+def register_state_hook() -> None:
+    """Register :func:`_add_step_parts` with SGLang's HookRegistry (idempotent)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    target = f"{_INTERNAL_STATE}._add_speculative"
+    if not any(hook is _add_step_parts for _, hook, _ in HookRegistry._hooks.get(target, [])):
+        HookRegistry.register(target, _add_step_parts, HookType.AFTER)
+    HookRegistry.apply_hooks()
+
+
 def register_model() -> None:
     from sglang.srt.models.registry import ModelRegistry
 
@@ -233,4 +260,5 @@ def register_all() -> None:
         cpu.register_cpu_hooks()
         register_graph_hooks()
         register_target_hooks()
+        register_state_hook()
         register_model()

@@ -24,6 +24,8 @@ import time
 import pytest
 import torch
 
+from glance_sgl.sglang import bench
+from glance_sgl.sglang.bench import parts_between, step_parts
 from glance_sgl.sglang.runner import EngineProcess, cpu_engine_kwargs, demo_requests
 
 pytestmark = pytest.mark.slow
@@ -47,11 +49,12 @@ def run(checkpoints, tmp_path_factory):
     merged = EngineProcess(cpu_engine_kwargs(target, drafter, disable_overlap_schedule=False),
                            env={**STRICT, "GLANCE_DRAFT_SOURCES": "drafter,ngram", "GLANCE_PLANNER": "random:5",
                                 "GLANCE_COST_CACHE": "off", "GLANCE_SGL_CPU_OVERLAP": "1",
-                                "SGLANG_IS_IN_CI": "1"}, log_path=logs / "merged.log",
+                                "SGLANG_IS_IN_CI": "1", "GLANCE_SGL_PROFILE": "1"}, log_path=logs / "merged.log",
                            wait=False)
     ngram = EngineProcess(cpu_engine_kwargs(target, drafter),
                           env={**STRICT, "GLANCE_DRAFT_SOURCES": "ngram", "GLANCE_PLANNER": "random:7",
-                               "GLANCE_COST_CACHE": "off"}, log_path=logs / "ngram.log", wait=False)
+                               "GLANCE_COST_CACHE": "off", "GLANCE_SGL_PROFILE": "1"}, log_path=logs / "ngram.log",
+                          wait=False)
     off = EngineProcess(cpu_engine_kwargs(target, drafter), env={**STRICT, "GLANCE_PLANNER": "off"},
                         log_path=logs / "off.log", wait=False)
     plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env=STRICT,
@@ -92,12 +95,16 @@ def run(checkpoints, tmp_path_factory):
         rand.close()
         merged.wait_ready()
         merged_batch1 = merged.generate(requests)["results"]
+        before = step_parts(merged)
         merged_concurrent = merged.generate(requests, concurrency=4)["results"]
+        merged_parts = parts_between(before, step_parts(merged))
         merged_seeded = merged.generate(seeded, concurrent=True)["results"]
         merged_info = merged.info()
         merged.close()
         ngram.wait_ready()
+        before = step_parts(ngram)
         ngram_greedy = ngram.generate(requests, concurrency=4)["results"]
+        ngram_parts = parts_between(before, step_parts(ngram))
         ngram_seeded = ngram.generate(seeded, concurrent=True)["results"]
         ngram.close()
         off.wait_ready()
@@ -109,7 +116,8 @@ def run(checkpoints, tmp_path_factory):
                "plain": plain_out, "concurrent": concurrent, "glance": glance, "logs": logs, "sampled": sampled,
                "seeded_fixed": seeded_fixed, "random_greedy": random_greedy, "random_seeded": random_seeded,
                "merged_batch1": merged_batch1, "merged_concurrent": merged_concurrent, "merged_seeded": merged_seeded,
-               "merged_info": merged_info, "ngram_greedy": ngram_greedy, "ngram_seeded": ngram_seeded,
+               "merged_info": merged_info, "merged_parts": merged_parts, "ngram_parts": ngram_parts,
+               "ngram_greedy": ngram_greedy, "ngram_seeded": ngram_seeded,
                "off_greedy": off_greedy, "off_seeded": off_seeded}
     finally:
         torch.set_num_threads(threads)
@@ -237,6 +245,26 @@ def test_ngram_only_steps_stay_lossless(run):
     assert drafted > 0  # some matches were accepted: n-gram steps did run
     log = (run["logs"] / "ngram.log").read_text()
     assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
+
+
+def test_profiling_engines_report_where_each_step_s_time_goes(run):
+    """With ``GLANCE_SGL_PROFILE=1`` SGLang's internal state carries the worker's step parts (per step kind, steps
+    and ms summed): the steps of a run, read before and after it, under the synchronous and the overlap scheduler
+    (a deferred round's outcome read and report included once settled)."""
+    from glance_sgl.round import PHASES
+
+    for name, kinds, allowed in (("ngram", run["ngram_parts"], {"ar", "ngram"}),
+                                 ("merged", run["merged_parts"], {"ar", "ngram", "drafter", "merged"})):
+        assert kinds and set(kinds) <= allowed, f"{name}: {sorted(kinds)}"
+        steps = sum(p["steps"] for p in kinds.values())
+        verifies = sum(r["meta_info"]["spec_verify_ct"] for r in run[f"{name}_greedy" if name == "ngram"
+                                                                        else "merged_concurrent"])
+        assert 0 < steps <= verifies  # 4 in flight: a step verifies up to 4 requests
+        for kind, parts in kinds.items():
+            assert set(parts) == {"steps", "between", "prepare", *PHASES} and min(parts.values()) >= 0
+            assert parts["pass"] > 0 and (kind == "ar" or parts["lookup"] > 0), f"{name} {kind}: {parts}"
+    means = bench.mean_parts([run["ngram_parts"]])
+    assert means["ngram"]["steps"] == int(run["ngram_parts"]["ngram"]["steps"])
 
 
 def test_drafting_off_is_plain_decoding(run):
