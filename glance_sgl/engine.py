@@ -142,6 +142,7 @@ class RoundRecord:
     drafter_ran: bool
     choice_logits: torch.Tensor | None = None
     sources: dict[str, tuple[bool, int]] | None = None  # per source: (verified, accepted), metrics.source_counts
+    parts: dict[str, float] | None = None  # wall ms of each part of the round (RoundResult.phases)
 
 
 @dataclass
@@ -565,7 +566,7 @@ class GlanceEngine:
                         request.history += new_tokens[:kept]
                     metrics.record_round(drafted=rec.nodes, accepted=rec.accepted, committed=kept,
                                          root_entropy=rec.root_entropy, predicted=rec.predicted,
-                                         drafter_ran=rec.drafter_ran)
+                                         drafter_ran=rec.drafter_ran, parts=rec.parts)
                     if rec.sources is not None:
                         metrics.record_sources(rec.sources)
                 yield out, new_tokens[:kept]
@@ -605,7 +606,7 @@ class GlanceEngine:
         record = RoundRecord(r.tree.num_nodes, accepted, root_entropy, predicted, r.drafted,
                              choice_logits=logits[r.walk.accepted_rows[0, : accepted + 1].to(logits.device)]
                              if logprobs else None,
-                             sources=source_counts(r.tree, r.walk)[0])
+                             sources=source_counts(r.tree, r.walk)[0], parts=r.phases)
         return r.walk.committed()[0], record
 
     def _ar_pass(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> tuple[int, RowsOutput]:

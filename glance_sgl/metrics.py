@@ -87,6 +87,10 @@ class RequestMetrics:
     draft_sources: tuple[str, ...] = ()  # the candidate sources the request drew on (empty: AR)
     source_rounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_KEYS, 0))
     source_accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCE_KEYS, 0))
+    # wall ms summed over the speculative rounds of each part of the round (``glance_sgl.round.RoundResult.phases``:
+    # lookup, plan, gate, draft, tree, pass, walk, keep, feed, commit, report; a plain round's tree, pass, walk and
+    # report); empty without them (AR)
+    round_part_ms: dict[str, float] = field(default_factory=dict)
 
     def record_sources(self, counts: dict[str, tuple[bool, int]]) -> None:
         """One round's per-source counts (an entry of :func:`source_counts`)."""
@@ -103,11 +107,13 @@ class RequestMetrics:
                 for k in SOURCE_KEYS}
 
     def record_round(self, drafted: int, accepted: int, committed: int, root_entropy: float | None,
-                     predicted: float | None = None, drafter_ran: bool | None = None) -> None:
+                     predicted: float | None = None, drafter_ran: bool | None = None,
+                     parts: dict[str, float] | None = None) -> None:
         """One verification round: ``drafted`` tree nodes (the pass verified ``drafted + 1`` rows), ``accepted`` of
         them, ``committed`` tokens kept (accepted + bonus, less any truncation at a stop condition).
         ``predicted``: the tokens the planner expected the round to commit (None: no planner);
-        ``drafter_ran``: whether a drafter pass preceded it (default: whether anything was drafted)."""
+        ``drafter_ran``: whether a drafter pass preceded it (default: whether anything was drafted); ``parts``: the
+        round's wall ms by part (``RoundResult.phases``), summed into ``round_part_ms``."""
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
@@ -120,6 +126,8 @@ class RequestMetrics:
             self.drafter_passes += 1
         if root_entropy is not None:
             self.root_entropies.append(root_entropy)
+        for name, ms in (parts or {}).items():
+            self.round_part_ms[name] = self.round_part_ms.get(name, 0.0) + ms
 
     @property
     def rounds_without_drafting(self) -> int:

@@ -267,6 +267,11 @@ def test_bench_report_has_every_method_and_column(engines, tmp_path):
         for m in (auto, fixed, s["methods"]["chain"]):
             assert m["efficiency"] == pytest.approx(m["decode_speedup"] / m["tau"])
         assert s["methods"]["hf_prompt_lookup"]["tau"] is None  # its rounds are not observable
+        # where a round's time goes, per method: the engine's speculating methods only
+        assert ar["ms_per_round_by_part"] is None and s["methods"]["hf_greedy"]["ms_per_round_by_part"] is None
+        for method in ("auto", "fixed", "chain", *sources):
+            parts = s["methods"][method]["ms_per_round_by_part"]
+            assert parts["pass"] > 0 and min(parts.values()) >= 0, method
     assert report["tasks"]["caption"]["demo_task"] and not report["tasks"]["wild"]["demo_task"]
     assert report["geomean_tasks"] == ["caption"]  # wild is reported apart
     assert report["geomean_decode_speedup"] == pytest.approx(report["tasks"]["caption"]["methods"]["auto"]

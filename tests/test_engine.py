@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from glance_sgl.engine import GlanceEngine, RequestError, SamplingParams, StreamDelta
+from glance_sgl.round import PHASES
 from glance_sgl.target import TargetError
 
 from tests.glance_testing import make_prompts
@@ -34,6 +35,10 @@ def test_max_tokens_and_metrics(engine, messages):
     assert m.drafter_passes <= len(m.root_entropies) <= m.rounds
     assert not m.root_entropies or m.mean_root_entropy >= 0
     assert m.prefill_ms > 0 and m.decode_ms > 0 and m.decode_tokens_per_s > 0
+    # where the rounds' time went: every part of the round summed, the target's pass inside the decode time
+    assert set(m.round_part_ms) <= set(PHASES) and {"pass", "walk", "report"} <= set(m.round_part_ms)
+    assert min(m.round_part_ms.values()) >= 0 and 0 < m.round_part_ms["pass"] < sum(m.round_part_ms.values())
+    assert sum(m.round_part_ms.values()) <= m.decode_ms
     d = m.to_dict()
     for key in ("tau", "tau_minus_1", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_histogram",
                 "prefill_ms", "decode_ms", "decode_tokens_per_s", "mean_root_entropy"):

@@ -119,6 +119,7 @@ class MethodStats:
     predicted_committed: int = 0  # tokens committed by those rounds
     source_rounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     source_accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    parts: dict[str, float] = field(default_factory=dict)  # wall ms summed of each part of the rounds
 
     def add_result(self, result, ar_tokens: list[int]) -> None:
         """One engine run (a ``GenerationResult``) of a prompt whose AR tokens are ``ar_tokens``."""
@@ -132,6 +133,8 @@ class MethodStats:
         for k, v in m.sources.items():
             self.source_rounds[k] += v["rounds"]
             self.source_accepted[k] += v["accepted_tokens"]
+        for k, ms in m.round_part_ms.items():
+            self.parts[k] = self.parts.get(k, 0.0) + ms
         pred = list(m.predicted_per_round)
         if pred:
             self.predicted += sum(pred)
@@ -190,6 +193,9 @@ class MethodStats:
             "actual_tokens_per_predicted_round": _ratio(self.predicted_committed, self.predicted_rounds),
             "sources": {k: {"rounds": self.source_rounds[k], "accepted_tokens": self.source_accepted[k]}
                         for k in SOURCES} if self.rows else None,
+            # where a round's time goes: mean wall ms per round of each part (glance_sgl.round.PHASES)
+            "ms_per_round_by_part": {k: v / self.rounds for k, v in self.parts.items()}
+            if self.parts and self.rounds else None,
         }
 
 
