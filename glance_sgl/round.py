@@ -192,8 +192,10 @@ class RoundResult:
     report the planner got (its ms fields are the round's timings); ``ended``: ``time.perf_counter()`` at the
     report (an engine measures what happens between rounds from it). A round whose outcome is read later
     (``speculative_round(defer_outcome=True)``) has no report until :meth:`settle`. ``phases``: wall ms of the
-    round's parts in order (:data:`PHASES`; a part the round skipped is absent, a deferred round's ``commit`` and
-    ``report`` arrive with :meth:`settle`): where a round's host time goes (``GLANCE_SGL_PROFILE=1`` logs them)."""
+    round's parts in order (:data:`PHASES`, each present, a skipped one near 0; a plain round's ``tree``, ``pass``,
+    ``walk`` and ``report`` only; a deferred round's ``commit`` and ``report`` arrive with :meth:`settle`; on an
+    asynchronous device ``pass`` is the launch, the device time is the report's ``pass_ms``): where a round's host
+    time goes (``GLANCE_SGL_PROFILE=1`` logs them)."""
 
     tree: DraftTree
     walk: WalkResult
