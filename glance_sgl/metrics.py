@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -46,6 +46,21 @@ def source_counts(tree: "DraftTree", walk: "WalkResult") -> list[dict[str, tuple
         for b in range(tags.shape[0]):
             out[b][key] = (bool(verified[b]), int(accepted[b]))
     return out
+
+
+def add_ms(total: dict[str, float], parts: Mapping[str, float]) -> None:
+    """Add ``parts`` (name -> ms, or a count) into ``total``, in place: the sums behind every report of where a
+    round's time goes (``RoundResult.phases`` per request, per bench method, per SGLang step kind)."""
+    for name, ms in parts.items():
+        total[name] = total.get(name, 0.0) + ms
+
+
+def ms_per_step(sums: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per step kind of ``sums`` (kind -> ``{"steps": n, part: ms summed}``): its steps and the mean ms per step of
+    each part it had (rounded to us, in the order of ``sums``, parts that never took time left out)."""
+    return {kind: {"steps": int(acc["steps"]), **{k: round(v / acc["steps"], 3) for k, v in acc.items()
+                                                 if k != "steps" and v > 0}}
+            for kind, acc in sorted(sums.items())}
 
 
 def entropy_tensor(logits: torch.Tensor) -> torch.Tensor:
@@ -126,8 +141,7 @@ class RequestMetrics:
             self.drafter_passes += 1
         if root_entropy is not None:
             self.root_entropies.append(root_entropy)
-        for name, ms in (parts or {}).items():
-            self.round_part_ms[name] = self.round_part_ms.get(name, 0.0) + ms
+        add_ms(self.round_part_ms, parts or {})
 
     @property
     def rounds_without_drafting(self) -> int:

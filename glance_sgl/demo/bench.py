@@ -35,6 +35,7 @@ import torch
 
 from ..engine import GlanceEngine, SamplingParams
 from ..law import fit_entropy_law
+from ..metrics import add_ms
 from .tasks import GROUNDED, TASKS, eval_set
 from .wild import TASK as WILD
 from .wild import wild_set
@@ -133,8 +134,7 @@ class MethodStats:
         for k, v in m.sources.items():
             self.source_rounds[k] += v["rounds"]
             self.source_accepted[k] += v["accepted_tokens"]
-        for k, ms in m.round_part_ms.items():
-            self.parts[k] = self.parts.get(k, 0.0) + ms
+        add_ms(self.parts, m.round_part_ms)
         pred = list(m.predicted_per_round)
         if pred:
             self.predicted += sum(pred)

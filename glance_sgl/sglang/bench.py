@@ -35,8 +35,8 @@ methods alike) and adds the mean rows verified per request and step to the table
 mean wall ms per step of each part of its round, per scenario (``host_ms_per_step`` of each scenario: the engine's
 step parts read from SGLang's internal state before and after each measured chunk, ``STEP_PARTS_KEY``) and over the
 engine's life (the method's ``host_ms_per_step``: the worker's last ``GLANCE host ms per step`` log line, warm-up
-included; with ``--engine-runs`` the last run's engine); printed one line per step kind: where a step's time goes. ``--count-host-reads`` (with
-``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
+included; with ``--engine-runs`` the last run's engine); printed one line per step kind: where a step's time goes.
+``--count-host-reads`` (with ``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
 (``GLANCE_SGL_COUNT_HOST_READS=1``, a cost: do not read its speeds) and reports the max / mean per step, overall and
 by (batch size, rows verified per request).
 
@@ -80,6 +80,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..metrics import add_ms, ms_per_step
 from .plugin import STEP_PARTS_KEY
 from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, export_package, wild_requests
 
@@ -334,8 +335,7 @@ def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: boo
     before = step_parts(eng) if parts else None
     t0 = time.perf_counter()
     res = eng.generate(reqs, concurrency=c)["results"]
-    wall = time.perf_counter() - t0
-    part = {"wall_s": wall, "outputs": [r["output_ids"] for r in res],
+    part = {"wall_s": time.perf_counter() - t0, "outputs": [r["output_ids"] for r in res],
             "tokens": sum(r["meta_info"]["completion_tokens"] for r in res),
             "verify": sum(r["meta_info"].get("spec_verify_ct") or 0 for r in res),
             "spec_tokens": sum(r["meta_info"]["completion_tokens"] - 1 for r in res
@@ -354,12 +354,8 @@ def mean_parts(sums: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, f
     total: dict[str, dict[str, float]] = {}
     for one in sums:
         for kind, parts in one.items():
-            acc = total.setdefault(kind, {})
-            for k, v in parts.items():
-                acc[k] = acc.get(k, 0.0) + v
-    return {kind: {"steps": int(acc["steps"]), **{k: round(v / acc["steps"], 3) for k, v in acc.items()
-                                                 if k != "steps" and v > 0}}
-            for kind, acc in sorted(total.items())}
+            add_ms(total.setdefault(kind, {}), parts)
+    return ms_per_step(total)
 
 
 def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -49,10 +49,11 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 import glance_kernels
 from glance_sgl.drafter import GlanceDrafter
 from glance_sgl.host_transfers import count_host_transfers
-from glance_sgl.metrics import entropies_nats
+from glance_sgl.metrics import add_ms, entropies_nats, ms_per_step
 from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource
 from glance_sgl.planner import cost_key, default_row_grid, save_costs
-from glance_sgl.round import PHASES, PassOutput, RoundBatch, RoundResult, agree_mask, calibrate_round, speculative_round
+from glance_sgl.round import (PHASES, PassOutput, RoundBatch, RoundResult, agree_mask, calibrate_round,
+                              speculative_round)
 from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree
 from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
 
@@ -95,8 +96,9 @@ def sampling_spec(req) -> SamplingSpec:
 class StepStats:
     """Counts of decode steps by rows verified per request (0 = an AR step: no candidate verified), and the mean
     wall ms per step of each part of the round (``RoundResult.phases``) and of the time between rounds
-    (``between``: SGLang's scheduler and result processing; ``prepare``: this worker's) by step kind (:func:`step_kind`), logged every
-    200 steps when ``GLANCE_SGL_PROFILE=1`` (since the start; the bench's ``--step-stats`` reads the last)."""
+    (``between``: SGLang's scheduler and result processing; ``prepare``: this worker's) by step kind
+    (:func:`step_kind`), logged every 200 steps when ``GLANCE_SGL_PROFILE=1`` (since the start; the bench's
+    ``--step-stats`` reads the last)."""
 
     def __init__(self, log: bool) -> None:
         self.log, self.steps, self.rows = log, 0, {}
@@ -120,8 +122,7 @@ class StepStats:
         sums["prepare"] += prepare_ms
         if between_ms is not None:
             sums["between"] += max(between_ms - prepare_ms, 0.0)
-        for name, ms in phases.items():
-            sums[name] += ms
+        add_ms(sums, phases)
 
     def sums(self) -> dict[str, dict[str, float]]:
         """Per step kind: its steps and the ms summed over them of each part (a copy; SGLang's internal state
@@ -130,10 +131,8 @@ class StepStats:
 
     def phase_means(self) -> dict[str, dict[str, float]]:
         """Per step kind: its steps and the mean ms per step of each part it had (in round order, ``between``
-        first)."""
-        return {kind: {"steps": int(sums["steps"]), **{k: round(v / sums["steps"], 3) for k, v in sums.items()
-                                                        if k != "steps" and v > 0}}
-                for kind, sums in sorted(self.kinds.items())}
+        first; :func:`glance_sgl.metrics.ms_per_step`)."""
+        return ms_per_step(self.kinds)
 
 
 def step_kind(r: RoundResult) -> str:
