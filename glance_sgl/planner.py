@@ -536,6 +536,15 @@ class EntropyTable:
         self.seen = self.seen * self.decay + 1.0
 
 
+def pay_score(ratio: float) -> float:
+    """How much a probe or a first drafting round counts as paying in the planner's shares of paying rounds
+    (``starts_paid``, ``probes_paid``), from ``ratio``: its tokens per ms over the rate it had to reach (> 1: it
+    paid). 0 up to 1, rising to 1 at twice that rate: on traffic the drafter does not know, a round that one lucky
+    token carries just past break-even is common (a quarter of the probes on the wild requests through SGLang), and
+    counting it as a full success kept the drafter probing traffic whose probes lose on average."""
+    return min(max(ratio - 1.0, 0.0), 1.0)
+
+
 @dataclass
 class RequestPlanState:
     """What the planner keeps per request: what its drafting rounds accepted, and its probe back-off.
@@ -789,12 +798,14 @@ class Planner:
             and self.probe_success() < PROBE_RARE
 
     def admit(self, rid: object) -> bool:
-        """A new request, before its prefill: whether the engine keeps the drafter's context for it from its prompt
-        on. Not where the drafter idles (:meth:`drafter_idle`): the request is retired at birth, so the drafter costs
-        it nothing (no tap features captured or written, no probe), except every ``EXPLORE``-th new request (an
-        explorer), which keeps its context and probes at once, so that a return of traffic the drafter knows is
-        still noticed (its paying first round ends the idling; at most EXPLORE - 1 such requests lose theirs).
-        Asked again (a prompt prefilled in chunks, or again after a retraction), the answer stands."""
+        """A new request, before its prefill: whether the engine keeps the drafter's context for it. Not where the
+        drafter idles (:meth:`drafter_idle`): the request is retired at birth, so the drafter costs it next to
+        nothing (its decode steps feed no context, no probe; the embedded engine projects no prompt context either,
+        while SGLang writes the prompt's, which its radix cache may lend to a later request), except every
+        ``EXPLORE``-th new request (an explorer), which keeps its context and probes at once, so that a return of
+        traffic the drafter knows is still noticed (its paying first round ends the idling; at most EXPLORE - 1 such
+        requests lose theirs). Asked again (a prompt prefilled in chunks, or again after a retraction), the answer
+        stands."""
         known = rid in self.requests
         st = self.state(rid)
         if not known and not st.explorer and self.drafter_idle():
@@ -1226,20 +1237,22 @@ class Planner:
             # tokens: a round the matches happened to find as well (a template opening) does not pause a request
             # the drafter serves well. The entropy table's prior counts only up to what this round accepted: it
             # was learned on other traffic, and a round that accepted little is this request's evidence against it
+            # (as ratios: the round's tokens per ms over what it had to reach, > 1: it paid)
             if rival is None:
-                paid = (1.0 + a) / round_ms > self.margin / rival_ms
-                paid_ar = paid
+                ratio = (1.0 + a) / round_ms * rival_ms / self.margin
+                ratio_ar = ratio
             else:
-                paid = (o + self.predicted_accept(r, h, prior_cap=a, rival_tokens=o)) / round_ms > \
-                    self.margin * o / rival_ms
+                ratio = (o + self.predicted_accept(r, h, prior_cap=a, rival_tokens=o)) / round_ms * rival_ms / \
+                    (self.margin * o)
                 # ... and over an AR step, on the drafts that were not the matches' alone: the drafter serves this
                 # request where the matches are missing (it yields to them where they are found)
-                paid_ar = paid or (1.0 + a - float(extra)) / round_ms > self.margin / self.costs.ar_ms(bs)
+                ratio_ar = max(ratio, (1.0 + a - float(extra)) / round_ms * self.costs.ar_ms(bs) / self.margin)
+            paid, paid_ar = ratio > 1.0, ratio_ar > 1.0
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
-                self.starts_paid = START_DECAY * self.starts_paid + float(paid_ar)
+                self.starts_paid = START_DECAY * self.starts_paid + pay_score(ratio_ar)
             if st.drafted_rounds == 0 or st.paused:
-                self._probed(st, paid, yielded=paid_ar and not paid)
+                self._probed(st, paid, yielded=paid_ar and not paid, score=pay_score(ratio_ar))
             st.drafted_rounds += 1
             st.ar_streak = 0
 
@@ -1247,13 +1260,15 @@ class Planner:
         """The decayed share of probes (first rounds included) that paid, over all requests."""
         return self.probes_paid / self.probes
 
-    def _probed(self, st: RequestPlanState, paid: bool, yielded: bool = False) -> None:
+    def _probed(self, st: RequestPlanState, paid: bool, yielded: bool = False, score: float | None = None) -> None:
         """A probe's outcome: back to drafting, or a longer wait for the next probe. Where probes rarely pay
         (traffic the drafter does not know) the wait grows faster, so probes do not eat what AR rounds save.
         ``yielded``: it did not pay over the matches' round but would have over an AR step: paused for the
-        matches, drafting where they are missing (``RequestPlanState.yielded``), no longer wait."""
+        matches, drafting where they are missing (``RequestPlanState.yielded``), no longer wait. ``score``: how
+        well it paid (:func:`pay_score`; None: 1 where it paid or yielded, else 0), what the share of paying
+        probes counts."""
         self.probes = PROBE_DECAY * self.probes + 1.0
-        self.probes_paid = PROBE_DECAY * self.probes_paid + float(paid or yielded)
+        self.probes_paid = PROBE_DECAY * self.probes_paid + (float(paid or yielded) if score is None else score)
         st.paused, st.yielded = not paid, yielded
         if paid or yielded:
             st.probe_interval = MIN_PROBE_INTERVAL
