@@ -52,7 +52,7 @@ from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.metrics import add_ms, entropies_nats, ms_per_step
 from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource
 from glance_sgl.planner import cost_key, default_row_grid, save_costs
-from glance_sgl.round import (PHASES, PassOutput, RoundBatch, RoundResult, agree_mask, calibrate_round,
+from glance_sgl.round import (PHASES, PassOutput, RoundBatch, RoundResult, calibrate_round,
                               speculative_round)
 from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree
 from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
@@ -373,23 +373,23 @@ class GlanceWorker(BaseSpecWorker):
 
     def _extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors) -> GenerationBatchResult:
         bs = len(batch.reqs)
-        # the requests whose drafter context is kept from their prompt on (``Planner.admit``: not those retired at
-        # birth, where the drafter idles; rank 0's choice under tensor parallelism, since the planners' statistics
-        # differ between ranks and every rank's drafter must read the same context); none kept: the prefill
-        # captures no tap features
-        capture, keep = self._capture, None
-        if capture == CaptureHiddenMode.FULL and batch.forward_mode.is_extend() and bs > 0:
-            keep = agree_mask(self._agree, [self.planner.admit(req.rid) for req in batch.reqs])
-            if not any(keep):
-                capture = CaptureHiddenMode.NULL
+        # every request's prompt gets its drafter context, also one the planner retires at birth (``Planner.admit``,
+        # where the drafter idles: its decode steps feed nothing): SGLang's radix cache lends a prompt's slots to the
+        # later requests that share it (the same prompt again, a system prompt, the next turn of a chat), whose
+        # drafter would otherwise read another request's stale context there, fail its probes and keep idling
+        capture = self._capture
+        feed = capture == CaptureHiddenMode.FULL and batch.forward_mode.is_extend() and bs > 0
+        if feed:
+            for req in batch.reqs:
+                self.planner.admit(req.rid)
         result = self.target_worker.forward_batch_generation(
             batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=capture)
         logits_output = result.logits_output
         self._last_round_end = None  # the next decode step's gap includes this prefill: not a scheduler cost
         self._last_rids = []  # the next decode step purges: a request prefilled here may end before decoding
-        if keep is not None and capture == CaptureHiddenMode.FULL:
+        if feed:
             hidden = logits_output.hidden_states
-            self._feed_prompt(batch, self._taps(hidden), keep)
+            self._feed_prompt(batch, self._taps(hidden))
             # Keep SGLang's output processing off the tap features (they are not the final hidden states).
             logits_output.hidden_states = None
         predict = result.next_token_ids
@@ -451,23 +451,17 @@ class GlanceWorker(BaseSpecWorker):
             packed.view(t, -1, self._hidden)[:, self._tap_order.to(packed.device)].reshape(t, -1)
         return taps if bs is None else taps.view(bs, rows, -1)
 
-    def _feed_prompt(self, batch: ScheduleBatch, taps: torch.Tensor, keep: list[bool]) -> None:
+    def _feed_prompt(self, batch: ScheduleBatch, taps: torch.Tensor) -> None:
         """Write the extended tokens' draft K/V at their slots (``batch.out_cache_loc``, where the target's K/V of
-        each token went), for the requests ``keep`` marks (the others were retired at birth: their context is never
-        read). Tokens of a radix-cache prefix hit already have theirs where whoever computed the prefix kept its
-        context (a prefix first computed by a request retired at birth lends a later one none: worse drafts,
-        never wrong ones)."""
+        each token went), for every request of the batch. Tokens of a radix-cache prefix hit already have theirs
+        (written when the prefix was first computed)."""
         lens = list(batch.extend_lens)
         if taps is None or taps.shape[0] != sum(lens):
             raise RuntimeError(f"GLANCE: expected tap features for {sum(lens)} extend tokens, got "
                                f"{None if taps is None else tuple(taps.shape)}")
         positions = torch.cat([torch.arange(pre, pre + n) for pre, n in zip(batch.prefix_lens, lens)])
-        slots = batch.out_cache_loc
-        if not all(keep):
-            rows = torch.tensor(keep).repeat_interleave(torch.tensor(lens)).nonzero().squeeze(1)
-            slots, taps, positions = slots[rows.to(slots.device)], taps[rows.to(taps.device)], positions[rows]
         self.draft_pool.flush()  # earlier writes first: a slot freed since may be one of these
-        self.draft_pool.write(slots, taps, positions.to(taps.device))
+        self.draft_pool.write(batch.out_cache_loc, taps, positions.to(taps.device))
 
     # ------------------------------------------------------------------ decode: draft (or not), verify, commit
     def _agree(self, value: int) -> int:
