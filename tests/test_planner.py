@@ -9,7 +9,7 @@ import torch
 
 from glance_sgl.planner import (EXPLORE, FIRST_RECHECK, GAIN_EVIDENCE, FIRST_TREND, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG, CostModel,
                                 DepthCalibration, EntropyTable, Planner, RoundReport, calibrate, cost_key,
-                                default_row_grid, load_costs, save_costs)
+                                default_row_grid, load_costs, pay_score, save_costs)
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, verify_tree
 
@@ -296,6 +296,26 @@ def test_where_probes_rarely_pay_new_requests_wait_before_drafting_and_back_off_
     known = drafted_steps(planner, "doc", tree, accepted=6, steps=30)
     assert known == list(range(START_HOLD_LONG, 30))
     assert drafted_steps(planner, "doc2", tree, accepted=6, steps=5) == list(range(5))
+
+
+def test_a_probe_counts_by_how_much_it_paid_not_only_whether_it_did():
+    """The shares of paying first rounds and probes (what decides holds, faster back-off and idling) count a round
+    by its ratio over the rate it had to reach: nothing at break-even, fully at twice it. First rounds that one
+    extra token carries just past break-even (here 2 accepted drafts against an AR step) keep the shares near a
+    half, where rounds that pay well over (6 accepted) keep them near one; rounds that do not pay leave the
+    drafter idling."""
+    assert pay_score(0.5) == 0.0 and pay_score(1.0) == 0.0 and pay_score(1.5) == pytest.approx(0.5)
+    assert pay_score(2.0) == 1.0 and pay_score(7.0) == 1.0
+    tree = random_tree(6, 15, sharp=8.0)
+    shares = {}
+    for accepted in (1, 2, 6):
+        planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+        for i in range(6):
+            drafted_steps(planner, f"r{i}", tree, accepted=accepted, steps=40)
+        shares[accepted] = (planner.starts_paid / planner.starts, planner.probe_success(), planner.drafter_idle())
+    assert shares[1][2] and not shares[2][2] and not shares[6][2]
+    assert 0.25 < shares[2][0] < 0.75 and 0.25 < shares[2][1] < 0.75  # counted as full successes: above 0.9
+    assert shares[6][0] > 0.9 and shares[6][1] > 0.85
 
 
 def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_the_request():
