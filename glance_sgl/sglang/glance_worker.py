@@ -709,12 +709,19 @@ class GlanceWorker(BaseSpecWorker):
         if self._profile:
             self.stats.add_phases(step_kind(r), r.phases, gap_ms, prepare_ms)
             rep = r.report
-            logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s",
+            # pred: the tokens per request the chosen round expected (bonus included); rival / alone: where the
+            # drafter ran against the matches' round, the tokens that round expected and the drafts it would have
+            # accepted on its own (what the drafter's round gained over it: accepted - alone)
+            logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s "
+                           "pred=%s rival=%s alone=%s",
                            rep.batch, "-" if gap_ms is None else f"{gap_ms:.1f}ms",
                            f"draft{sum(r.plan.drafted_for(rep.batch))}" if r.drafted else "no_draft", rep.drafter_ms,
                            r.tree.num_rows, rep.pass_ms,
                            rep.host_ms, list(rep.accepted),
-                           [None if (h := self.planner.lead_entropy(x)) is None else round(h, 2) for x in rep.rids])
+                           [None if (h := self.planner.lead_entropy(x)) is None else round(h, 2) for x in rep.rids],
+                           _rounded(r.plan.expected_tokens),
+                           None if rep.alternative is None else _rounded(rep.alternative.expected_tokens),
+                           None if rep.alone is None else list(rep.alone))
 
     def _mask_grammar(self, batch: ScheduleBatch, tree: DraftTree, logits: torch.Tensor) -> None:
         """Constrained decoding (SGLang's grammar backends: ``json_schema``, ``regex``, ``ebnf``): every tree row's
@@ -796,6 +803,11 @@ class GlanceWorker(BaseSpecWorker):
                     time.perf_counter() - t0, grid, [round(x, 2) for x in costs.curves[bs][1]],
                     measured.draft_ms_at[0], f"; cached in {saved}" if saved else "")
         return True
+
+
+def _rounded(values) -> list[float] | None:
+    """A step log's per-request numbers, to two decimals (None: none)."""
+    return None if not values else [round(float(v), 2) for v in values]
 
 
 def _in_vocab(ids, vocab: int) -> list[int]:
