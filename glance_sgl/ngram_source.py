@@ -41,7 +41,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import torch
 
-from .tree import (CONTEXT_ANY, CONTEXT_ON_TRACK, SOURCE_NGRAM, CandidateTrie, DraftTree, HindsightTree,
+from .tree import (CONTEXT_ANY, CONTEXT_CHAIN, CONTEXT_ON_TRACK, SOURCE_NGRAM, CandidateTrie, DraftTree, HindsightTree,
                    SourceAcceptance, _rows_per_request, pack_trees)
 
 log = logging.getLogger(__name__)
@@ -510,8 +510,7 @@ class NgramSource:
                 known[b] = False
         tries = [CandidateTrie(root) for root in roots]
         live = [b for b, k in enumerate(known) if k and budgets[b] > 1 and self.available]
-        if live:
-            self._lookup(rids, live, tries)
+        chained = self._lookup(rids, live, tries) if live else set()
         table = acceptance or self._default_acceptance
         logs: dict[int, list[list[float]]] = {}
         label = acceptance is not None and SOURCE_NGRAM in acceptance.hindsight
@@ -520,7 +519,8 @@ class NgramSource:
         packed = []
         for b, trie in enumerate(tries):
             if len(trie) > 1:
-                context = self.context(rids[b])
+                # a lookup that found one long chain is scored by the tables of such lookups (a replayed answer)
+                context = CONTEXT_CHAIN if b in chained else self.context(rids[b])
                 if context not in logs:
                     logs[context] = table.log_table(SOURCE_NGRAM, context)
                 ranks = trie.rescore(logs[context], SOURCE_NGRAM, in_order=True)
@@ -547,7 +547,7 @@ class NgramSource:
             req.pending.append(tree)
         req.pending_at = req.total
 
-    def _lookup(self, rids: Sequence[Hashable], live: list[int], tries: list[CandidateTrie]) -> None:
+    def _lookup(self, rids: Sequence[Hashable], live: list[int], tries: list[CandidateTrie]) -> set[int]:
         """Cross-request and own-corpus matches of the requests ``live`` (batch indices) into their tries, in that
         order (the order ``best_first`` keeps: the cross-request corpus holds the request's own answer too, as
         SGLang's NGRAM corpus does; its own corpus adds the prompt, looked up where the cross-request lookup did not
@@ -556,7 +556,7 @@ class NgramSource:
         A lookup returns at most ``max_nodes`` candidates. Where they form one chain (a long match with a single
         continuation: a replayed answer, a quoted passage) the corpus is asked again from the chain's end, and the
         continuation joins the tree under it, until ``max_depth``: verbatim copies are drafted as deep as the
-        drafter's block, not ``max_nodes`` deep."""
+        drafter's block, not ``max_nodes`` deep. Returns the batch indices whose lookups found such a chain."""
         s = self.settings
         reqs = [self._requests[rids[b]] for b in live]
         queries: list[_Query] = []
@@ -578,6 +578,7 @@ class NgramSource:
         if not queries:  # scope off: the own corpora alone
             queries, own = own, []
         found: list[tuple[int, int, list[int], list[int], list[int]]] = []  # (order, batch index, tokens, ...)
+        chained_any: set[int] = set()
         while queries:
             chains: list[_Query] = []
             for q, (tok, par, dep) in zip(queries, self._match(queries)):
@@ -589,10 +590,12 @@ class NgramSource:
             # the own corpora (the prompt's matches) where the cross-request lookup found no single long chain:
             # where it did, its continuation goes deeper than a row budget keeps the own lookup's breadth
             chained = {q.b for q in chains}
+            chained_any |= chained
             queries, own = chains + [q for q in own if q.b not in chained], []
         found.sort(key=lambda f: f[0])
         for _, b, tok, par, dep in found:
             tries[b].add_tree(tok, par, [0.0] * len(tok), [SOURCE_NGRAM] * len(tok), s.max_depth)
+        return chained_any
 
     def _match(self, queries: Sequence["_Query"]) -> list[tuple[list[int], list[int], list[int]]]:
         """Every query's lookup, one ``batch_get`` per corpus, decoded in one array pass over all of them (per-lookup

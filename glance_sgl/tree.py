@@ -31,11 +31,14 @@ SOURCE_DRAFTER = 1  # the block drafter (every node of a tree whose ``sources`` 
 SOURCE_NGRAM = 2  # n-gram matches (glance_sgl.ngram_source)
 SOURCE_BOTH = SOURCE_DRAFTER | SOURCE_NGRAM
 SOURCE_NAMES = {SOURCE_DRAFTER: "drafter", SOURCE_NGRAM: "ngram"}
-# acceptance contexts of a hindsight-labelled source (SourceAcceptance): its proposals in general, and those made
-# while the request's latest committed tokens were the source's own predictions (glance_sgl.ngram_source: a copy)
+# acceptance contexts of a hindsight-labelled source (SourceAcceptance): its proposals in general, those made while
+# the request's latest committed tokens were the source's own predictions (glance_sgl.ngram_source: a copy), and
+# those whose lookup found one long chain, a single continuation as deep as a lookup goes (a replayed answer, a
+# quoted passage: nearly every node is taken there, where other matches' deep nodes often fail)
 CONTEXT_ANY = 0
 CONTEXT_ON_TRACK = 1
-CONTEXTS = (CONTEXT_ANY, CONTEXT_ON_TRACK)
+CONTEXT_CHAIN = 2
+CONTEXTS = (CONTEXT_ANY, CONTEXT_ON_TRACK, CONTEXT_CHAIN)
 
 
 @dataclass
@@ -550,8 +553,9 @@ class SourceAcceptance:
     the estimate is biased by the choice it drives. The committed continuation is the target's own (greedy: the
     same tokens whatever was verified; sampling: its samples), so hindsight labels are unbiased at every depth.
 
-    Hindsight cells also come per ``context`` (``CONTEXTS``: ``CONTEXT_ANY``, or ``CONTEXT_ON_TRACK`` for a
-    proposal made while the request's latest tokens were the source's own predictions, ``NgramSource``'s streak):
+    Hindsight cells also come per ``context`` (``CONTEXTS``: ``CONTEXT_ANY``, ``CONTEXT_ON_TRACK`` for a
+    proposal made while the request's latest tokens were the source's own predictions, ``NgramSource``'s streak, or
+    ``CONTEXT_CHAIN`` for one whose lookup found a single long chain):
     a request copying a passage or replaying an answer takes nearly every node, while matches elsewhere mostly
     fail, and one table for both would score the copy by the failures.
     """

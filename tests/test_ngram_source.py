@@ -4,6 +4,8 @@ SGLang, the round adapter, and lossless decoding with its candidates merged into
 
 from __future__ import annotations
 
+import math
+
 import random
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import torch
 from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource, ngram_corpus_class
 from glance_sgl.tree import (
     CONTEXT_ANY,
+    CONTEXT_CHAIN,
     CONTEXT_ON_TRACK,
     SOURCE_DRAFTER,
     SOURCE_NGRAM,
@@ -377,6 +380,38 @@ def test_a_long_verbatim_copy_is_proposed_deeper_than_one_lookup(scope):
     tree = src.propose(["fork"], rows=32)
     check_tree_invariants(tree)
     assert {p[:2] for p in paths_of(tree)} >= {(10, 11), (30, 31)} and int(tree.depths.max()) <= 4
+
+
+def test_a_lookup_that_finds_one_long_chain_is_scored_and_labelled_as_a_chain():
+    """A proposal whose lookup found one chain as deep as a lookup goes (a replayed answer) is scored by the chain
+    context's table, and its hindsight labels go there: a replay takes nearly every node of such a chain, where
+    other matches' deep nodes often fail, and one table for both scored replays at half what they commit. A
+    lookup that branches stays in its request's own context."""
+    passage = list(range(100, 130))
+    src = NgramSource(small(scope="shared", max_nodes=4, max_depth=13))
+    acc = NgramCandidates(src, SourceAcceptance(max_depth=13, decay=1.0)).acceptance
+    hits, tries = acc.cells(SOURCE_NGRAM, CONTEXT_CHAIN)
+    hits += 50.0  # a learned chain table: every node taken
+    tries += 50.0
+    answer(src, "first", None, passage)
+    src.add_request("copy", [1, 2, 3])
+    src.commit("copy", passage[:2])
+    chain = src.propose(["copy"], rows=14, acceptance=acc)
+    # scored by the chain table (0.98 a node), not the prior (0.5 a node): 13 deep, still above 0.7
+    assert int(chain.depths.max()) == 13 and chain.scores[0, 1:].min() > math.log(0.7)
+    src.commit("copy", passage[2:8])
+    src.finish("copy")
+    chain_hits, chain_tries = acc.cells(SOURCE_NGRAM, CONTEXT_CHAIN)
+    assert float(chain_tries.sum()) > 100.0 and float(chain_hits.sum()) > 100.0  # labelled there: 6 more taken
+    assert float(acc.cells(SOURCE_NGRAM, CONTEXT_ANY)[1].sum()) == 0.0
+    src = NgramSource(small(scope="off", max_nodes=4, max_depth=13))
+    acc = NgramCandidates(src, SourceAcceptance(max_depth=13, decay=1.0)).acceptance
+    src.add_request("fork", [7, 8, 1, 2, 10, 11, 12, 13, 14, 7, 8, 1, 2, 30, 31, 32, 33, 34, 7, 8, 1, 2])
+    src.propose(["fork"], rows=32, acceptance=acc)
+    src.commit("fork", [10, 11])
+    src.finish("fork")
+    assert float(acc.cells(SOURCE_NGRAM, CONTEXT_CHAIN)[1].sum()) == 0.0
+    assert float(acc.cells(SOURCE_NGRAM, CONTEXT_ANY)[1].sum()) > 0.0
 
 
 def test_queued_inserts_reach_lookups_and_never_another_tenant():
