@@ -1247,12 +1247,12 @@ class Planner:
                 # ... and over an AR step, on the drafts that were not the matches' alone: the drafter serves this
                 # request where the matches are missing (it yields to them where they are found)
                 ratio_ar = max(ratio, (1.0 + a - float(extra)) / round_ms * self.costs.ar_ms(bs) / self.margin)
-            paid, paid_ar = ratio > 1.0, ratio_ar > 1.0
+            paid, paid_ar, score = ratio > 1.0, ratio_ar > 1.0, pay_score(ratio_ar)
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
-                self.starts_paid = START_DECAY * self.starts_paid + pay_score(ratio_ar)
+                self.starts_paid = START_DECAY * self.starts_paid + score
             if st.drafted_rounds == 0 or st.paused:
-                self._probed(st, paid, yielded=paid_ar and not paid, score=pay_score(ratio_ar))
+                self._probed(st, paid, score, yielded=paid_ar and not paid)
             st.drafted_rounds += 1
             st.ar_streak = 0
 
@@ -1260,15 +1260,14 @@ class Planner:
         """The decayed share of probes (first rounds included) that paid, over all requests."""
         return self.probes_paid / self.probes
 
-    def _probed(self, st: RequestPlanState, paid: bool, yielded: bool = False, score: float | None = None) -> None:
+    def _probed(self, st: RequestPlanState, paid: bool, score: float, yielded: bool = False) -> None:
         """A probe's outcome: back to drafting, or a longer wait for the next probe. Where probes rarely pay
         (traffic the drafter does not know) the wait grows faster, so probes do not eat what AR rounds save.
-        ``yielded``: it did not pay over the matches' round but would have over an AR step: paused for the
-        matches, drafting where they are missing (``RequestPlanState.yielded``), no longer wait. ``score``: how
-        well it paid (:func:`pay_score`; None: 1 where it paid or yielded, else 0), what the share of paying
-        probes counts."""
+        ``score``: how well it paid (:func:`pay_score`), what the share of paying probes counts. ``yielded``: it
+        did not pay over the matches' round but would have over an AR step: paused for the matches, drafting where
+        they are missing (``RequestPlanState.yielded``), no longer wait."""
         self.probes = PROBE_DECAY * self.probes + 1.0
-        self.probes_paid = PROBE_DECAY * self.probes_paid + (float(paid or yielded) if score is None else score)
+        self.probes_paid = PROBE_DECAY * self.probes_paid + score
         st.paused, st.yielded = not paid, yielded
         if paid or yielded:
             st.probe_interval = MIN_PROBE_INTERVAL
