@@ -195,12 +195,32 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
                          for r in report["methods"] if r.get("rows_per_step") is not None)
     if rows_per:
         lines += ["", f"Rows verified per request and decode step, over the whole run: {rows_per}."]
+    lines += _step_timing_table(report)
     lines += _host_ms_table(report)
     starts = ", ".join(f"{METHOD_LABELS.get(r['method'], r['method'])} {r['startup_s']:.0f} s"
                        for r in report["methods"] if r.get("startup_s") is not None)
     if starts:
         lines += ["", f"Engine start-up (not counted above): {starts}."]
     return "\n".join(lines)
+
+
+def _step_timing_table(report: dict[str, Any]) -> list[str]:
+    """Every method's decode steps side by side, per scenario (``--step-stats``: each scenario's ``step_timing``,
+    :func:`glance_sgl.sglang.step_timing.step_table`). Nothing without them."""
+    sys.path.insert(0, str(ROOT))
+    from glance_sgl.sglang.step_timing import STEP_HEAD, step_table
+
+    rows = step_table([r for r in report["methods"] if not r.get("error")],
+                      lambda m: METHOD_LABELS.get(m, m))
+    if not rows:
+        return []
+    return ["", "Every method's decode steps side by side, per scenario (the measured chunks only): SGLang's "
+                "`Scheduler.run_batch` timed around each step (`GLANCE_SGL_STEP_TIMING`), the target's forward in it "
+                "(`TpModelWorker.forward_batch_generation`) and the rest (the drafter's pass, n-gram lookups, trees, "
+                "the walk, the step's host work); `step / none's`: a step's wall time over no speculation's decode "
+                "step in the same scenario (at the batch each method had: a method that ends its requests sooner "
+                "runs smaller batches); the scheduler's own work between steps is in none of it.", ""] \
+        + _table(STEP_HEAD, rows)
 
 
 def _host_ms_table(report: dict[str, Any]) -> list[str]:

@@ -36,6 +36,11 @@ mean wall ms per step of each part of its round, per scenario (``host_ms_per_ste
 step parts read from SGLang's internal state before and after each measured chunk, ``STEP_PARTS_KEY``) and over the
 engine's life (the method's ``host_ms_per_step``: the worker's last ``GLANCE host ms per step`` log line, warm-up
 included; with ``--engine-runs`` the last run's engine); printed one line per step kind: where a step's time goes.
+It also times every engine's scheduler steps, whatever the method (``GLANCE_SGL_STEP_TIMING=1``,
+:mod:`glance_sgl.sglang.step_timing`): per scenario, each method's decode steps, their mean batch, their mean wall
+ms (the target's forward and the rest), that step against no speculation's step in the same scenario (a step's cost
+in plain decode steps, NGRAM's included) and the prefill's ms per request, read around each measured chunk
+(``step_timing`` of each scenario in the JSON).
 ``--count-host-reads`` (with ``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
 (``GLANCE_SGL_COUNT_HOST_READS=1``, a cost: do not read its speeds) and reports the max / mean per step, overall and
 by (batch size, rows verified per request).
@@ -82,6 +87,7 @@ from typing import Any
 
 from ..metrics import add_ms, ms_per_step
 from .plugin import STEP_PARTS_KEY
+from .step_timing import STEP_HEAD, STEP_TIMING_KEY, step_table
 from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, export_package, wild_requests
 
 METHODS = ("none", "ngram", "dflash", "glance", "glance-fixed", "glance-off", "glance+ngram", "glance-ngram",
@@ -196,14 +202,16 @@ def engine_kwargs(method: str, model: Path, drafter: Path, device: str, ngram_to
 def engine_env(method: str, step_stats: bool = False, count_host_reads: bool = False, overlap: str | None = None
                ) -> dict[str, str]:
     """The planner of a GLANCE method (``GLANCE_PLANNER``; see glance_sgl/sglang/planning.py), its candidate
-    sources (``GLANCE_DRAFT_SOURCES``) and, with ``step_stats``, its per-step log (``GLANCE_SGL_PROFILE``), with
+    sources (``GLANCE_DRAFT_SOURCES``) and, with ``step_stats``, its per-step log (``GLANCE_SGL_PROFILE``) and every
+    method's step timing (``GLANCE_SGL_STEP_TIMING``), with
     ``count_host_reads`` its host-read count per step (``GLANCE_SGL_COUNT_HOST_READS``); with the overlap scheduler
     asked for (``overlap`` or the method's ``@overlap``), ``GLANCE_SGL_CPU_OVERLAP=1`` (on a CPU GLANCE turns it
     off otherwise)."""
     method, own = method_parts(method)
+    timing = {"GLANCE_SGL_STEP_TIMING": "1"} if step_stats else {}  # every engine's steps, side by side
     if method not in GLANCE_METHODS:
-        return {}
-    env = {"GLANCE_PLANNER": PLANNERS[method]}
+        return timing
+    env = {"GLANCE_PLANNER": PLANNERS[method], **timing}
     if (own or overlap) == "on":
         env["GLANCE_SGL_CPU_OVERLAP"] = "1"
     if method in SOURCES:
@@ -308,16 +316,18 @@ def rows_per_step(log: Path) -> float | None:
     return sum(rows) / len(rows) if rows else None
 
 
-def step_parts(eng: EngineProcess) -> dict[str, dict[str, float]] | None:
+def step_parts(eng: EngineProcess, key: str = STEP_PARTS_KEY) -> dict[str, dict[str, float]] | None:
     """A profiling GLANCE engine's step parts so far (SGLang's internal state, ``STEP_PARTS_KEY``: per step kind,
-    steps and ms summed); None where it has none."""
+    steps and ms summed), or with ``key=STEP_TIMING_KEY`` any engine's step timing
+    (:mod:`glance_sgl.sglang.step_timing`); None where it has none."""
     states = eng.info().get("internal_states") or []
-    return (states[0] or {}).get(STEP_PARTS_KEY) if states else None
+    return (states[0] or {}).get(key) if states else None
 
 
 def parts_between(before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None
                   ) -> dict[str, dict[str, float]]:
-    """The step parts of the steps between two :func:`step_parts` readings (kinds without a step left out)."""
+    """The step parts (or timing) of the steps between two :func:`step_parts` readings (kinds without a step left
+    out)."""
     out = {}
     for kind, parts in (after or {}).items():
         old = (before or {}).get(kind, {})
@@ -327,12 +337,14 @@ def parts_between(before: dict[str, dict[str, float]] | None, after: dict[str, d
     return out
 
 
-def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: bool, parts: bool = False
-             ) -> dict[str, Any]:
+def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: bool, parts: bool = False,
+             timing: bool = False) -> dict[str, Any]:
     """One engine on ``reqs`` with ``c`` in flight: sums to pool (``decode``: also the max_tokens=1 latencies;
-    ``parts``: the step parts of its steps, read from the engine before and after, outside the timed span)."""
+    ``parts``: the step parts of its steps, ``timing``: its step timing, each read from the engine before and
+    after, outside the timed span)."""
     one = eng.generate([{**r, "max_tokens": 1} for r in reqs])["results"] if decode else None
     before = step_parts(eng) if parts else None
+    clock = step_parts(eng, STEP_TIMING_KEY) if timing else None
     t0 = time.perf_counter()
     res = eng.generate(reqs, concurrency=c)["results"]
     part = {"wall_s": time.perf_counter() - t0, "outputs": [r["output_ids"] for r in res],
@@ -346,6 +358,8 @@ def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: boo
         part["decode_tokens"] = sum(max(f["meta_info"]["completion_tokens"] - 1, 0) for f in res)
     if parts:
         part["step_parts"] = parts_between(before, step_parts(eng))
+    if timing:
+        part["step_timing"] = parts_between(clock, step_parts(eng, STEP_TIMING_KEY))
     return part
 
 
@@ -360,7 +374,7 @@ def mean_parts(sums: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, f
 
 def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """A scenario's row from its measured parts (pooled sums)."""
-    tot = {k: sum(p[k] for p in parts) for k in parts[0] if k not in ("outputs", "step_parts")}
+    tot = {k: sum(p[k] for p in parts) for k in parts[0] if k not in ("outputs", "step_parts", "step_timing")}
     row = {"tokens": tot["tokens"], "wall_s": tot["wall_s"],
            "tokens_per_s": tot["tokens"] / tot["wall_s"] if tot["wall_s"] > 0 else float("nan"),
            "tau": tot["spec_tokens"] / tot["verify"] if tot["verify"] else 1.0,
@@ -369,6 +383,12 @@ def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
         row["decode_tokens_per_s"] = tot["decode_tokens"] / tot["decode_s"] if tot["decode_s"] > 0 else float("nan")
     if "step_parts" in parts[0]:
         row["host_ms_per_step"] = mean_parts([p["step_parts"] for p in parts])
+    if "step_timing" in parts[0]:
+        timing: dict[str, dict[str, float]] = {}
+        for p in parts:
+            for kind, sums in p["step_timing"].items():
+                add_ms(timing.setdefault(kind, {}), sums)
+        row["step_timing"] = timing
     return row
 
 
@@ -416,13 +436,14 @@ def run_method(method: str, kwargs: dict[str, Any], scenarios: dict[str, tuple[l
     log = (log_dir / f"{method}.log") if log_dir else None
     out: dict[str, Any] = {"method": method, "scenarios": {}}
     profiled = (env or {}).get("GLANCE_SGL_PROFILE") == "1"
+    timed = (env or {}).get("GLANCE_SGL_STEP_TIMING") == "1"
     try:
         with EngineProcess(kwargs, env=env, log_path=log, code_root=code_root) as eng:
             out["startup_s"] = eng.startup_s
             _warm_up(eng, warm)
             for name, (reqs, c) in scenarios.items():
                 runs = (repeats or {}).get(name, 1)
-                row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1", profiled)
+                row = out["scenarios"][name] = _pool([_measure(eng, reqs, c, name == "demo c=1", profiled, timed)
                                                       for _ in range(runs)])
                 print(f"[bench] {method} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
                       file=sys.stderr, flush=True)
@@ -447,6 +468,7 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
     rows = {m: {"method": m, "scenarios": {}} for m in methods}
     parts: dict[str, dict[str, list]] = {name: {m: [] for m in methods} for name in scenarios}
     profiled = {m for m in methods if envs[m].get("GLANCE_SGL_PROFILE") == "1"}
+    timed = {m for m in methods if envs[m].get("GLANCE_SGL_STEP_TIMING") == "1"}
     engines: dict[str, EngineProcess] = {}
 
     def fail(m: str, exc: BaseException) -> None:
@@ -489,7 +511,7 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
                         continue
                     try:
                         parts[name][m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1",
-                                                       m in profiled))
+                                                       m in profiled, m in timed))
                     except Exception as exc:
                         fail(m, exc)
 
@@ -533,6 +555,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             same = f"{sum(x == y for x, y in zip(s['outputs'], b['outputs']))}/{len(s['outputs'])}" if b else "-"
             lines.append(f"{name:<11} {r['method']:<13} {s['tokens_per_s']:>12.1f} {ratio:>7.2f}x "
                          f"{dec if dec else float('nan'):>12.1f} {dratio:>7.2f}x {s['tau']:>6.2f} {same:>10}")
+    steps = step_table(ok)
+    if steps:
+        widths = [max(len(h), *(len(row[i]) for row in steps)) for i, h in enumerate(STEP_HEAD)]
+        lines.append("decode steps side by side (the scheduler's run_batch, per scenario; --step-stats):")
+        for row in [STEP_HEAD] + steps:
+            lines.append("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
     for r in rows:  # per scenario where the engine reported its step parts, else its log's whole-life line
         per = [(f"{r['method']} {name}", s["host_ms_per_step"]) for name, s in r["scenarios"].items()
                if s.get("host_ms_per_step")] or [(r["method"], r.get("host_ms_per_step") or {})]

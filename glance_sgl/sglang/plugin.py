@@ -212,13 +212,19 @@ _INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.Sched
 
 
 def _add_step_parts(result: Any, controller: Any, state: dict, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook of SGLang's ``SchedulerInternalStateController._add_speculative``: the GLANCE worker's step
-    parts into ``state`` (nothing for another algorithm, or without profiling)."""
+    """AFTER hook of SGLang's ``SchedulerInternalStateController._add_speculative`` (which every algorithm's state
+    passes, none included): the GLANCE worker's step parts into ``state`` (nothing for another algorithm, or
+    without profiling), and any engine's step timing where ``GLANCE_SGL_STEP_TIMING`` is on
+    (:mod:`glance_sgl.sglang.step_timing`)."""
     from .glance_worker import GlanceWorker
+    from .step_timing import STEP_TIMING_KEY, step_timing
 
     worker = getattr(getattr(controller, "scheduler", None), "draft_worker", None)
     if isinstance(worker, GlanceWorker) and worker.stats.log:
         state[STEP_PARTS_KEY] = worker.stats.sums()
+    timing = step_timing()
+    if timing is not None:
+        state[STEP_TIMING_KEY] = timing
     return None
 
 
@@ -248,12 +254,16 @@ def register_all() -> None:
     from . import cpu
     from .draft_pool import install_memory_accounting
     from .graphs import register_graph_hooks
+    from .settings import WorkerSettings
+    from .step_timing import register_step_timing
     from .targets import register_target_hooks
 
     cpu.install_vllm_stub()
     cpu.install_sgl_kernel_stub()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if WorkerSettings.from_env().step_timing:  # first: HookRegistry patches a target once, at the first apply
+            register_step_timing()
         register_algorithm()
         install_memory_accounting()
         cpu.register_cpu_backend()

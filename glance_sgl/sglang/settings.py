@@ -18,6 +18,7 @@ environment; the worker takes the object.
 | ``GLANCE_SGL_CPU_OVERLAP`` | ``cpu_overlap`` | ``0`` / ``1`` | on a CPU device, keep SGLang's overlap scheduler on (default: off there, as SGLang does for its own speculative algorithms: a CPU runs the step synchronously anyway, and the relay costs; tests of the overlap path set it) |
 | ``GLANCE_SGL_PROFILE`` | ``profile`` | ``0`` / ``1`` | log a per-phase time profile of decode steps |
 | ``GLANCE_SGL_COUNT_HOST_READS`` | ``count_host_reads`` | ``0`` / ``1`` | count device-to-host reads per step and log them |
+| ``GLANCE_SGL_STEP_TIMING`` | ``step_timing`` | ``0`` / ``1`` | time every engine's scheduler steps and target forwards, whatever its algorithm (``glance_sgl.sglang.step_timing``; the benchmark's side-by-side step table) |
 | ``GLANCE_SGL_DUMP_TAPS`` | ``dump_taps`` | unset / a directory | save the prompt taps the worker is handed (debugging the tap capture) |
 
 ``GLANCE_SGL_DEVICE_STEP=1``, the earlier spelling of ``GLANCE_SGL_STEP=device``, is still read.
@@ -104,6 +105,7 @@ class WorkerSettings:
     static_draft: bool = False
     profile: bool = False
     count_host_reads: bool = False
+    step_timing: bool = False
     dump_taps: Path | None = None
     draft_sources: tuple[str, ...] = DEFAULT_DRAFT_SOURCES
     ngram_corpus: str = "shared"
@@ -142,7 +144,8 @@ class WorkerSettings:
             raise SettingsError(f"GLANCE_NGRAM_CORPUS={env['GLANCE_NGRAM_CORPUS']!r}: choose shared, per-key or off")
         return cls(planner=planner, planner_seed=seed, graph_widths=widths, step=step,
                    static_draft=_flag(env, "GLANCE_SGL_STATIC_DRAFT"), profile=_flag(env, "GLANCE_SGL_PROFILE"),
-                   count_host_reads=_flag(env, "GLANCE_SGL_COUNT_HOST_READS"), dump_taps=Path(dump) if dump else None,
+                   count_host_reads=_flag(env, "GLANCE_SGL_COUNT_HOST_READS"),
+                   step_timing=_flag(env, "GLANCE_SGL_STEP_TIMING"), dump_taps=Path(dump) if dump else None,
                    draft_sources=sources, ngram_corpus=corpus, cpu_overlap=_flag(env, "GLANCE_SGL_CPU_OVERLAP"))
 
     def device_step(self, on_cuda: bool) -> bool:

@@ -26,6 +26,7 @@ import torch
 
 from glance_sgl.sglang import bench
 from glance_sgl.sglang.bench import parts_between, step_parts
+from glance_sgl.sglang.step_timing import STEP_TIMING_KEY
 from glance_sgl.sglang.runner import EngineProcess, cpu_engine_kwargs, demo_requests
 
 pytestmark = pytest.mark.slow
@@ -53,11 +54,11 @@ def run(checkpoints, tmp_path_factory):
                            wait=False)
     ngram = EngineProcess(cpu_engine_kwargs(target, drafter),
                           env={**STRICT, "GLANCE_DRAFT_SOURCES": "ngram", "GLANCE_PLANNER": "random:7",
-                               "GLANCE_COST_CACHE": "off", "GLANCE_SGL_PROFILE": "1"}, log_path=logs / "ngram.log",
-                          wait=False)
+                               "GLANCE_COST_CACHE": "off", "GLANCE_SGL_PROFILE": "1", "GLANCE_SGL_STEP_TIMING": "1"},
+                          log_path=logs / "ngram.log", wait=False)
     off = EngineProcess(cpu_engine_kwargs(target, drafter), env={**STRICT, "GLANCE_PLANNER": "off"},
                         log_path=logs / "off.log", wait=False)
-    plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env=STRICT,
+    plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env={**STRICT, "GLANCE_SGL_STEP_TIMING": "1"},
                           log_path=logs / "plain.log", wait=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # three processes share the cores; oversubscribed torch threads crawl
@@ -83,6 +84,7 @@ def run(checkpoints, tmp_path_factory):
         t_ready = time.perf_counter() - t0
         batch1 = glance.generate(requests)["results"]
         plain_out = plain.generate(requests)["results"]
+        plain_timing = step_parts(plain, STEP_TIMING_KEY)
         plain.close()
         concurrent = []
         for i in range(0, N_PROMPTS, 4):
@@ -102,9 +104,10 @@ def run(checkpoints, tmp_path_factory):
         merged_info = merged.info()
         merged.close()
         ngram.wait_ready()
-        before = step_parts(ngram)
+        before, clock = step_parts(ngram), step_parts(ngram, STEP_TIMING_KEY)
         ngram_greedy = ngram.generate(requests, concurrency=4)["results"]
         ngram_parts = parts_between(before, step_parts(ngram))
+        ngram_timing = parts_between(clock, step_parts(ngram, STEP_TIMING_KEY))
         ngram_seeded = ngram.generate(seeded, concurrent=True)["results"]
         ngram.close()
         off.wait_ready()
@@ -117,6 +120,7 @@ def run(checkpoints, tmp_path_factory):
                "seeded_fixed": seeded_fixed, "random_greedy": random_greedy, "random_seeded": random_seeded,
                "merged_batch1": merged_batch1, "merged_concurrent": merged_concurrent, "merged_seeded": merged_seeded,
                "merged_info": merged_info, "merged_parts": merged_parts, "ngram_parts": ngram_parts,
+               "plain_timing": plain_timing, "ngram_timing": ngram_timing,
                "ngram_greedy": ngram_greedy, "ngram_seeded": ngram_seeded,
                "off_greedy": off_greedy, "off_seeded": off_seeded}
     finally:
@@ -265,6 +269,23 @@ def test_profiling_engines_report_where_each_step_s_time_goes(run):
             assert parts["pass"] > 0 and (kind == "ar" or parts["lookup"] > 0), f"{name} {kind}: {parts}"
     means = bench.mean_parts([run["ngram_parts"]])
     assert means["ngram"]["steps"] == int(run["ngram_parts"]["ngram"]["steps"])
+
+
+def test_step_timing_times_every_engine_s_steps_whatever_its_algorithm(run):
+    """``GLANCE_SGL_STEP_TIMING=1`` (the bench's side-by-side step table): SGLang's internal state carries, for an
+    engine without speculation and for GLANCE alike, its decode steps and prefill batches with the wall ms of each
+    step and of the target's forwards in it. GLANCE's decode steps are the worker's steps, counted by its own
+    profile between the same readings; a plain engine decodes one token a step."""
+    plain, ngram = run["plain_timing"], run["ngram_timing"]
+    for name, t in (("plain", plain), ("ngram", ngram)):
+        assert set(t) == {"decode", "prefill"}, f"{name}: {t}"
+        for kind, s in t.items():
+            assert s["steps"] > 0 and s["requests"] >= s["steps"], f"{name} {kind}: {s}"
+            assert 0 < s["forward_ms"] <= s["step_ms"], f"{name} {kind}: {s}"
+    assert plain["prefill"]["requests"] >= N_PROMPTS  # warm-up prefills too: read since the engine started
+    assert plain["decode"]["steps"] >= sum(r["meta_info"]["completion_tokens"] - 1 for r in run["plain"])
+    assert ngram["decode"]["steps"] == sum(p["steps"] for p in run["ngram_parts"].values())
+    assert ngram["prefill"]["requests"] >= N_PROMPTS
 
 
 def test_drafting_off_is_plain_decoding(run):

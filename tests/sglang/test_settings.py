@@ -23,9 +23,10 @@ def test_every_variable_is_read():
                                  "GLANCE_SGL_STEP": "device", "GLANCE_SGL_STATIC_DRAFT": "1",
                                  "GLANCE_SGL_PROFILE": "true", "GLANCE_SGL_COUNT_HOST_READS": "1",
                                  "GLANCE_SGL_DUMP_TAPS": "/tmp/taps", "GLANCE_DRAFT_SOURCES": " NGram, drafter ",
-                                 "GLANCE_NGRAM_CORPUS": "Per-Key"})
+                                 "GLANCE_NGRAM_CORPUS": "Per-Key", "GLANCE_SGL_STEP_TIMING": "on"})
     assert (s.planner, s.planner_seed, s.graph_widths, s.step) == ("random", 17, (4, 12), "device")
     assert s.static_draft and s.profile and s.count_host_reads and s.dump_taps == Path("/tmp/taps")
+    assert s.step_timing and not WorkerSettings.from_env({}).step_timing
     assert s.device_step(on_cuda=False)
     assert (s.draft_sources, s.ngram_corpus) == (("drafter", "ngram"), "per-key")  # canonical order
     assert WorkerSettings.from_env({"GLANCE_DRAFT_SOURCES": "ngram,ngram"}).draft_sources == ("ngram",)
@@ -44,6 +45,7 @@ def test_every_variable_is_read():
     ({"GLANCE_SGL_STEP": "gpu"}, "GLANCE_SGL_STEP"),
     ({"GLANCE_SGL_PROFILE": "maybe"}, "GLANCE_SGL_PROFILE"),
     ({"GLANCE_SGL_COUNT_HOST_READS": "2"}, "GLANCE_SGL_COUNT_HOST_READS"),
+    ({"GLANCE_SGL_STEP_TIMING": "always"}, "GLANCE_SGL_STEP_TIMING"),
     ({"GLANCE_DRAFT_SOURCES": "drafter,eagle"}, "GLANCE_DRAFT_SOURCES"),
     ({"GLANCE_DRAFT_SOURCES": "drafter;ngram"}, "GLANCE_DRAFT_SOURCES"),
     ({"GLANCE_NGRAM_CORPUS": "global"}, "GLANCE_NGRAM_CORPUS"),

@@ -1,0 +1,125 @@
+"""Where any SGLang engine's scheduler spends a step, for side-by-side benchmarks (``GLANCE_SGL_STEP_TIMING=1``).
+
+SGLang's scheduler runs every batch through ``Scheduler.run_batch``: the speculative worker's whole step (its
+drafting or lookups, the target's pass, the walk and its bookkeeping) or the plain model step without
+speculation. The target model's forward is ``TpModelWorker.forward_batch_generation`` inside it (once per step
+for NGRAM and for GLANCE, whose drafter passes run outside it). With the setting on, two AROUND hooks (SGLang's
+``HookRegistry``) time both, whatever the algorithm (none, NGRAM, GLANCE, DFLASH), and the scheduler's internal
+state (``/get_server_info``'s ``internal_states``, one per scheduler) carries the sums under
+:data:`STEP_TIMING_KEY`: per kind of batch (``decode``: a decode or verify step; ``prefill``: an extend batch),
+``steps``, ``requests`` (summed batch sizes), ``step_ms`` (wall ms of ``run_batch``) and ``forward_ms`` (of the
+target's forwards in it). ``python -m glance_sgl.sglang.bench --step-stats`` reads them before and after every
+measured chunk.
+
+The wall time of ``run_batch`` is the step's only where the scheduler runs synchronously (SGLang's CPU default);
+under the overlap scheduler it is the launch. The time between steps (the scheduler's result processing and its
+next batch) is not in it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+STEP_TIMING_KEY = "glance_step_timing"
+_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+_FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
+
+_sums: dict[str, dict[str, float]] = {}  # this scheduler process's sums, per batch kind
+_forward_ms = 0.0  # the target's forwards inside the running run_batch
+
+
+def batch_kind(batch: Any) -> str | None:
+    """``prefill`` (an extend batch, mixed ones included), ``decode`` (a decode or verify step) or None (an idle
+    batch, or none)."""
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None or not getattr(batch, "reqs", None):
+        return None
+    if mode.is_extend():
+        return "prefill"
+    return "decode" if mode.is_decode() or mode.is_target_verify() else None
+
+
+def _time_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    global _forward_ms
+    kind = batch_kind(batch)
+    _forward_ms = 0.0
+    t0 = time.perf_counter()
+    result = original(scheduler, batch, *args, **kwargs)
+    if kind is not None:
+        s = _sums.setdefault(kind, {"steps": 0, "requests": 0, "step_ms": 0.0, "forward_ms": 0.0})
+        s["steps"] += 1
+        s["requests"] += len(batch.reqs)
+        s["step_ms"] += 1000.0 * (time.perf_counter() - t0)
+        s["forward_ms"] += _forward_ms
+    return result
+
+
+def _time_forward(original: Any, *args: Any, **kwargs: Any) -> Any:
+    global _forward_ms
+    t0 = time.perf_counter()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _forward_ms += 1000.0 * (time.perf_counter() - t0)
+
+
+def step_timing() -> dict[str, dict[str, float]] | None:
+    """This scheduler process's sums so far (a copy), or None where the hooks are not installed."""
+    return {kind: dict(s) for kind, s in _sums.items()} if _installed else None
+
+
+_installed = False
+
+
+def register_step_timing() -> None:
+    """Register the two timing hooks with SGLang's HookRegistry (idempotent). The plugin calls it at load where
+    ``GLANCE_SGL_STEP_TIMING`` is on, before any of its hooks are applied (HookRegistry patches a target once)."""
+    global _installed
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in ((_RUN_BATCH, _time_run_batch), (_FORWARD, _time_forward)):
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, hook, HookType.AROUND)
+    _installed = True
+
+
+STEP_HEAD = ["scenario", "method", "decode steps", "requests / step", "ms / step", "target forward", "other",
+             "step / none's", "prefill ms / request"]
+
+
+def step_table(methods: list[dict[str, Any]], label: Any = str) -> list[list[str]]:
+    """Rows of :data:`STEP_HEAD` from a benchmark's method rows (each ``{"method", "scenarios": {name:
+    {"step_timing": sums}}}``; ``label(method)`` names a method): per scenario and method, its decode steps,
+    their mean batch, mean wall ms (the target's forward, the rest: drafting, lookups, the step's host work), that
+    step against no speculation's in the same scenario (what one step costs in plain decode steps), and the
+    prefill's wall ms per request. Empty without any timing."""
+    base = next((m for m in methods if m["method"] == "none"), None)
+    names = list(dict.fromkeys(n for m in methods for n, sc in m["scenarios"].items() if sc.get("step_timing")))
+    out = []
+    for name in names:
+        b = ((base or {}).get("scenarios", {}).get(name) or {}).get("step_timing", {}).get("decode")
+        b_ms = b["step_ms"] / b["steps"] if b and b.get("steps") else None
+        first = True
+        for m in methods:
+            t = (m["scenarios"].get(name) or {}).get("step_timing")
+            if not t:
+                continue
+            d, p = t.get("decode") or {}, t.get("prefill") or {}
+            n = d.get("steps", 0)
+            ms = d["step_ms"] / n if n else None
+            fwd = d["forward_ms"] / n if n else None
+            cells = [name if first else "", label(m["method"]), str(int(n)), _fmt(d["requests"] / n if n else None, 1),
+                     _fmt(ms), _fmt(fwd), _fmt(ms - fwd if n else None), _fmt(ms / b_ms if ms and b_ms else None),
+                     _fmt(p["step_ms"] / p["requests"] if p.get("requests") else None)]
+            out.append(cells)
+            first = False
+    return out
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+__all__ = ["STEP_HEAD", "STEP_TIMING_KEY", "batch_kind", "register_step_timing", "step_table",
+           "step_timing"]
