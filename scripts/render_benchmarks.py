@@ -216,8 +216,9 @@ def _step_timing_table(report: dict[str, Any]) -> list[str]:
         return []
     return ["", "Every method's decode steps side by side, per scenario (the measured chunks only): SGLang's "
                 "`Scheduler.run_batch` timed around each step (`GLANCE_SGL_STEP_TIMING`), the target's forward in it "
-                "(`TpModelWorker.forward_batch_generation`) and the rest (the drafter's pass, n-gram lookups, trees, "
-                "the walk, the step's host work); `step / none's`: a step's wall time over no speculation's decode "
+                "(`TpModelWorker.forward_batch_generation`; `rows / request`: its input rows per request, padding "
+                "included; `us / row`: its wall time per row) and the rest (the drafter's pass, n-gram lookups, "
+                "trees, the walk, the step's host work); `step / none's`: a step's wall time over no speculation's decode "
                 "step in the same scenario (at the batch each method had: a method that ends its requests sooner "
                 "runs smaller batches); the scheduler's own work between steps is in none of it.", ""] \
         + _table(STEP_HEAD, rows)

@@ -37,8 +37,9 @@ step parts read from SGLang's internal state before and after each measured chun
 engine's life (the method's ``host_ms_per_step``: the worker's last ``GLANCE host ms per step`` log line, warm-up
 included; with ``--engine-runs`` the last run's engine); printed one line per step kind: where a step's time goes.
 It also times every engine's scheduler steps, whatever the method (``GLANCE_SGL_STEP_TIMING=1``,
-:mod:`glance_sgl.sglang.step_timing`): per scenario, each method's decode steps, their mean batch, their mean wall
-ms (the target's forward and the rest), that step against no speculation's step in the same scenario (a step's cost
+:mod:`glance_sgl.sglang.step_timing`): per scenario, each method's decode steps, their mean batch and rows per
+request, their mean wall ms (the target's forward, its us per row, and the rest), that step against no
+speculation's step in the same scenario (a step's cost
 in plain decode steps, NGRAM's included) and the prefill's ms per request, read around each measured chunk
 (``step_timing`` of each scenario in the JSON).
 ``--count-host-reads`` (with ``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step

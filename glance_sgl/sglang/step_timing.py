@@ -7,7 +7,8 @@ for NGRAM and for GLANCE, whose drafter passes run outside it). With the setting
 ``HookRegistry``) time both, whatever the algorithm (none, NGRAM, GLANCE, DFLASH), and the scheduler's internal
 state (``/get_server_info``'s ``internal_states``, one per scheduler) carries the sums under
 :data:`STEP_TIMING_KEY`: per kind of batch (``decode``: a decode or verify step; ``prefill``: an extend batch),
-``steps``, ``requests`` (summed batch sizes), ``step_ms`` (wall ms of ``run_batch``) and ``forward_ms`` (of the
+``steps``, ``requests`` (summed batch sizes), ``rows`` (the input rows of the target's forwards: a verify pass's
+rows for every request, padding included), ``step_ms`` (wall ms of ``run_batch``) and ``forward_ms`` (of the
 target's forwards in it). ``python -m glance_sgl.sglang.bench --step-stats`` reads them before and after every
 measured chunk.
 
@@ -26,7 +27,8 @@ _RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 _FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 
 _sums: dict[str, dict[str, float]] = {}  # this scheduler process's sums, per batch kind
-_forward_ms = 0.0  # the target's forwards inside the running run_batch
+_forward_ms = 0.0  # the target's forwards inside the running run_batch: their wall ms ...
+_forward_rows = 0  # ... and their input rows
 
 
 def batch_kind(batch: Any) -> str | None:
@@ -41,22 +43,30 @@ def batch_kind(batch: Any) -> str | None:
 
 
 def _time_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    global _forward_ms
+    global _forward_ms, _forward_rows
     kind = batch_kind(batch)
-    _forward_ms = 0.0
+    _forward_ms, _forward_rows = 0.0, 0
     t0 = time.perf_counter()
     result = original(scheduler, batch, *args, **kwargs)
     if kind is not None:
-        s = _sums.setdefault(kind, {"steps": 0, "requests": 0, "step_ms": 0.0, "forward_ms": 0.0})
+        s = _sums.setdefault(kind, {"steps": 0, "requests": 0, "rows": 0, "step_ms": 0.0, "forward_ms": 0.0})
         s["steps"] += 1
         s["requests"] += len(batch.reqs)
+        s["rows"] += _forward_rows
         s["step_ms"] += 1000.0 * (time.perf_counter() - t0)
         s["forward_ms"] += _forward_ms
     return result
 
 
 def _time_forward(original: Any, *args: Any, **kwargs: Any) -> Any:
-    global _forward_ms
+    """``TpModelWorker.forward_batch_generation(self, batch, forward_batch=None, ...)``: its wall ms and input rows
+    (the schedule batch's ``input_ids``, else the forward batch's; metadata, no device read)."""
+    global _forward_ms, _forward_rows
+    batch = args[1] if len(args) > 1 else kwargs.get("batch")
+    if batch is None:
+        batch = args[2] if len(args) > 2 else kwargs.get("forward_batch")
+    ids = getattr(batch, "input_ids", None)
+    _forward_rows += int(ids.numel()) if ids is not None else 0
     t0 = time.perf_counter()
     try:
         return original(*args, **kwargs)
@@ -84,14 +94,15 @@ def register_step_timing() -> None:
     _installed = True
 
 
-STEP_HEAD = ["scenario", "method", "decode steps", "requests / step", "ms / step", "target forward", "other",
-             "step / none's", "prefill ms / request"]
+STEP_HEAD = ["scenario", "method", "decode steps", "requests / step", "rows / request", "ms / step",
+             "target forward", "us / row", "other", "step / none's", "prefill ms / request"]
 
 
 def step_table(methods: list[dict[str, Any]], label: Any = str) -> list[list[str]]:
     """Rows of :data:`STEP_HEAD` from a benchmark's method rows (each ``{"method", "scenarios": {name:
     {"step_timing": sums}}}``; ``label(method)`` names a method): per scenario and method, its decode steps,
-    their mean batch, mean wall ms (the target's forward, the rest: drafting, lookups, the step's host work), that
+    their mean batch and rows verified per request (padding included), mean wall ms (the target's forward and its
+    us per row, the rest: drafting, lookups, the step's host work), that
     step against no speculation's in the same scenario (what one step costs in plain decode steps), and the
     prefill's wall ms per request. Empty without any timing."""
     base = next((m for m in methods if m["method"] == "none"), None)
@@ -109,8 +120,11 @@ def step_table(methods: list[dict[str, Any]], label: Any = str) -> list[list[str
             n = d.get("steps", 0)
             ms = d["step_ms"] / n if n else None
             fwd = d["forward_ms"] / n if n else None
+            rows = d.get("rows", 0)
             cells = [name if first else "", label(m["method"]), str(int(n)), _fmt(d["requests"] / n if n else None, 1),
-                     _fmt(ms), _fmt(fwd), _fmt(ms - fwd if n else None), _fmt(ms / b_ms if ms and b_ms else None),
+                     _fmt(rows / d["requests"] if rows and d.get("requests") else None, 1), _fmt(ms), _fmt(fwd),
+                     _fmt(1000.0 * d["forward_ms"] / rows if rows else None, 0), _fmt(ms - fwd if n else None),
+                     _fmt(ms / b_ms if ms and b_ms else None),
                      _fmt(p["step_ms"] / p["requests"] if p.get("requests") else None)]
             out.append(cells)
             first = False

@@ -281,7 +281,8 @@ def test_step_timing_times_every_engine_s_steps_whatever_its_algorithm(run):
         assert set(t) == {"decode", "prefill"}, f"{name}: {t}"
         for kind, s in t.items():
             assert s["steps"] > 0 and s["requests"] >= s["steps"], f"{name} {kind}: {s}"
-            assert 0 < s["forward_ms"] <= s["step_ms"], f"{name} {kind}: {s}"
+            assert 0 < s["forward_ms"] <= s["step_ms"] and s["rows"] >= s["requests"], f"{name} {kind}: {s}"
+    assert plain["decode"]["rows"] == plain["decode"]["requests"]  # one row a request: the plain decode step
     assert plain["prefill"]["requests"] >= N_PROMPTS  # warm-up prefills too: read since the engine started
     assert plain["decode"]["steps"] >= sum(r["meta_info"]["completion_tokens"] - 1 for r in run["plain"])
     assert ngram["decode"]["steps"] == sum(p["steps"] for p in run["ngram_parts"].values())
