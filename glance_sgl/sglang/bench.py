@@ -39,9 +39,8 @@ included; with ``--engine-runs`` the last run's engine); printed one line per st
 It also times every engine's scheduler steps, whatever the method (``GLANCE_SGL_STEP_TIMING=1``,
 :mod:`glance_sgl.sglang.step_timing`): per scenario, each method's decode steps, their mean batch and rows per
 request, their mean wall ms (the target's forward, its us per row, and the rest), that step against no
-speculation's step in the same scenario (a step's cost
-in plain decode steps, NGRAM's included) and the prefill's ms per request, read around each measured chunk
-(``step_timing`` of each scenario in the JSON).
+speculation's step in the same scenario (a step's cost in plain decode steps, NGRAM's included) and the prefill's
+ms per request, read around each measured chunk (``step_timing`` of each scenario in the JSON).
 ``--count-host-reads`` (with ``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
 (``GLANCE_SGL_COUNT_HOST_READS=1``, a cost: do not read its speeds) and reports the max / mean per step, overall and
 by (batch size, rows verified per request).
@@ -364,13 +363,18 @@ def _measure(eng: EngineProcess, reqs: list[dict[str, Any]], c: int, decode: boo
     return part
 
 
-def mean_parts(sums: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Per step kind, the steps and the mean ms per step of each part, over several :func:`parts_between`."""
+def sum_parts(sums: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per step kind, every field summed over several :func:`parts_between` (step parts or step timing)."""
     total: dict[str, dict[str, float]] = {}
     for one in sums:
         for kind, parts in one.items():
             add_ms(total.setdefault(kind, {}), parts)
-    return ms_per_step(total)
+    return total
+
+
+def mean_parts(sums: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per step kind, the steps and the mean ms per step of each part, over several :func:`parts_between`."""
+    return ms_per_step(sum_parts(sums))
 
 
 def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -385,11 +389,7 @@ def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
     if "step_parts" in parts[0]:
         row["host_ms_per_step"] = mean_parts([p["step_parts"] for p in parts])
     if "step_timing" in parts[0]:
-        timing: dict[str, dict[str, float]] = {}
-        for p in parts:
-            for kind, sums in p["step_timing"].items():
-                add_ms(timing.setdefault(kind, {}), sums)
-        row["step_timing"] = timing
+        row["step_timing"] = sum_parts([p["step_timing"] for p in parts])
     return row
 
 

@@ -27,6 +27,7 @@ _RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 _FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 
 _sums: dict[str, dict[str, float]] = {}  # this scheduler process's sums, per batch kind
+_installed = False  # register_step_timing ran in this process
 _forward_ms = 0.0  # the target's forwards inside the running run_batch: their wall ms ...
 _forward_rows = 0  # ... and their input rows
 
@@ -79,9 +80,6 @@ def step_timing() -> dict[str, dict[str, float]] | None:
     return {kind: dict(s) for kind, s in _sums.items()} if _installed else None
 
 
-_installed = False
-
-
 def register_step_timing() -> None:
     """Register the two timing hooks with SGLang's HookRegistry (idempotent). The plugin calls it at load where
     ``GLANCE_SGL_STEP_TIMING`` is on, before any of its hooks are applied (HookRegistry patches a target once)."""
@@ -102,9 +100,9 @@ def step_table(methods: list[dict[str, Any]], label: Any = str) -> list[list[str
     """Rows of :data:`STEP_HEAD` from a benchmark's method rows (each ``{"method", "scenarios": {name:
     {"step_timing": sums}}}``; ``label(method)`` names a method): per scenario and method, its decode steps,
     their mean batch and rows verified per request (padding included), mean wall ms (the target's forward and its
-    us per row, the rest: drafting, lookups, the step's host work), that
-    step against no speculation's in the same scenario (what one step costs in plain decode steps), and the
-    prefill's wall ms per request. Empty without any timing."""
+    us per row, the rest: drafting, lookups, the step's host work), that step against no speculation's in the same
+    scenario (what one step costs in plain decode steps), and the prefill's wall ms per request. Empty without any
+    timing."""
     base = next((m for m in methods if m["method"] == "none"), None)
     names = list(dict.fromkeys(n for m in methods for n, sc in m["scenarios"].items() if sc.get("step_timing")))
     out = []
