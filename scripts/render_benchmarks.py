@@ -218,9 +218,11 @@ def _step_timing_table(report: dict[str, Any]) -> list[str]:
                 "`Scheduler.run_batch` timed around each step (`GLANCE_SGL_STEP_TIMING`), the target's forward in it "
                 "(`TpModelWorker.forward_batch_generation`; `rows / request`: its input rows per request, padding "
                 "included; `us / row`: its wall time per row) and the rest (the drafter's pass, n-gram lookups, "
-                "trees, the walk, the step's host work); `step / none's`: a step's wall time over no speculation's decode "
-                "step in the same scenario (at the batch each method had: a method that ends its requests sooner "
-                "runs smaller batches); the scheduler's own work between steps is in none of it.", ""] \
+                "trees, the walk, the step's host work); `between steps`: the scheduler's wall ms from one decode step "
+                "to the next (its processing of the step's results and its next batch; not in `ms / step`; – where "
+                "the run did not time it); `step / none's`: a step's wall time over no speculation's decode step in "
+                "the same scenario (at the batch each method had: a method that ends its requests sooner runs "
+                "smaller batches).", ""] \
         + _table(STEP_HEAD, rows)
 
 

@@ -9,12 +9,13 @@ state (``/get_server_info``'s ``internal_states``, one per scheduler) carries th
 :data:`STEP_TIMING_KEY`: per kind of batch (``decode``: a decode or verify step; ``prefill``: an extend batch),
 ``steps``, ``requests`` (summed batch sizes), ``rows`` (the input rows of the target's forwards: a verify pass's
 rows for every request, padding included), ``step_ms`` (wall ms of ``run_batch``) and ``forward_ms`` (of the
-target's forwards in it). ``python -m glance_sgl.sglang.bench --step-stats`` reads them before and after every
+target's forwards in it); for decode steps that follow a decode step also ``gaps`` and ``gap_ms``: the wall ms from
+the previous step's ``run_batch`` to this one's, where the scheduler processes the previous step's results
+(SGLang's speculative result handling, the detokenizer's queue) and builds the next batch (its KV reservation). ``python -m glance_sgl.sglang.bench --step-stats`` reads them before and after every
 measured chunk.
 
 The wall time of ``run_batch`` is the step's only where the scheduler runs synchronously (SGLang's CPU default);
-under the overlap scheduler it is the launch. The time between steps (the scheduler's result processing and its
-next batch) is not in it.
+under the overlap scheduler it is the launch. The time between steps is not in it: that is ``gap_ms``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _sums: dict[str, dict[str, float]] = {}  # this scheduler process's sums, per ba
 _installed = False  # register_step_timing ran in this process
 _forward_ms = 0.0  # the target's forwards inside the running run_batch: their wall ms ...
 _forward_rows = 0  # ... and their input rows
+_last: tuple[str | None, float] | None = None  # the previous run_batch's batch kind and when it returned
 
 
 def batch_kind(batch: Any) -> str | None:
@@ -44,18 +46,23 @@ def batch_kind(batch: Any) -> str | None:
 
 
 def _time_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    global _forward_ms, _forward_rows
+    global _forward_ms, _forward_rows, _last
     kind = batch_kind(batch)
     _forward_ms, _forward_rows = 0.0, 0
     t0 = time.perf_counter()
     result = original(scheduler, batch, *args, **kwargs)
+    t1 = time.perf_counter()
     if kind is not None:
         s = _sums.setdefault(kind, {"steps": 0, "requests": 0, "rows": 0, "step_ms": 0.0, "forward_ms": 0.0})
         s["steps"] += 1
         s["requests"] += len(batch.reqs)
         s["rows"] += _forward_rows
-        s["step_ms"] += 1000.0 * (time.perf_counter() - t0)
+        s["step_ms"] += 1000.0 * (t1 - t0)
         s["forward_ms"] += _forward_ms
+        if kind == "decode" and _last is not None and _last[0] == "decode":
+            s["gaps"] = s.get("gaps", 0) + 1
+            s["gap_ms"] = s.get("gap_ms", 0.0) + 1000.0 * (t0 - _last[1])
+    _last = (kind, t1)
     return result
 
 
@@ -93,16 +100,16 @@ def register_step_timing() -> None:
 
 
 STEP_HEAD = ["scenario", "method", "decode steps", "requests / step", "rows / request", "ms / step",
-             "target forward", "us / row", "other", "step / none's", "prefill ms / request"]
+             "target forward", "us / row", "other", "between steps", "step / none's", "prefill ms / request"]
 
 
 def step_table(methods: list[dict[str, Any]], label: Any = str) -> list[list[str]]:
     """Rows of :data:`STEP_HEAD` from a benchmark's method rows (each ``{"method", "scenarios": {name:
     {"step_timing": sums}}}``; ``label(method)`` names a method): per scenario and method, its decode steps,
     their mean batch and rows verified per request (padding included), mean wall ms (the target's forward and its
-    us per row, the rest: drafting, lookups, the step's host work), that step against no speculation's in the same
-    scenario (what one step costs in plain decode steps), and the prefill's wall ms per request. Empty without any
-    timing."""
+    us per row, the rest: drafting, lookups, the step's host work), the scheduler's ms between two decode steps
+    (``gap_ms``), that step against no speculation's in the same scenario (what one step costs in plain decode
+    steps), and the prefill's wall ms per request. Empty without any timing."""
     base = next((m for m in methods if m["method"] == "none"), None)
     names = list(dict.fromkeys(n for m in methods for n, sc in m["scenarios"].items() if sc.get("step_timing")))
     out = []
@@ -122,6 +129,7 @@ def step_table(methods: list[dict[str, Any]], label: Any = str) -> list[list[str
             cells = [name if first else "", label(m["method"]), str(int(n)), _fmt(d["requests"] / n if n else None, 1),
                      _fmt(rows / d["requests"] if rows and d.get("requests") else None, 1), _fmt(ms), _fmt(fwd),
                      _fmt(1000.0 * d["forward_ms"] / rows if rows else None, 0), _fmt(ms - fwd if n else None),
+                     _fmt(d["gap_ms"] / d["gaps"] if d.get("gaps") else None),
                      _fmt(ms / b_ms if ms and b_ms else None),
                      _fmt(p["step_ms"] / p["requests"] if p.get("requests") else None)]
             out.append(cells)

@@ -66,25 +66,29 @@ def test_glance_off_forces_the_planner_off_and_host_reads_are_opt_in():
 
 def test_the_step_table_puts_every_method_s_decode_step_beside_no_speculation_s():
     """Per scenario: decode steps, mean batch, rows per request, ms per step split into the target's forward (and
-    its us per row) and the rest, the step over no speculation's step in the same scenario, the prefill's ms per
-    request; a method or scenario without timing is left out, a scenario without no speculation has no ratio."""
+    its us per row) and the rest, the scheduler's ms between two decode steps, the step over no speculation's step
+    in the same scenario, the prefill's ms per request; a method or scenario without timing is left out, a scenario
+    without no speculation has no ratio, a run without gaps none between steps."""
     from glance_sgl.sglang.step_timing import STEP_HEAD, step_table
 
-    def timing(steps, reqs, ms, fwd, rows_per_req=1, pre_reqs=4, pre_ms=20.0):
+    def timing(steps, reqs, ms, fwd, rows_per_req=1, pre_reqs=4, pre_ms=20.0, gaps=0, gap_ms=0.0):
+        gap = {"gaps": gaps, "gap_ms": gap_ms} if gaps else {}
         return {"step_timing": {"decode": {"steps": steps, "requests": reqs, "rows": rows_per_req * reqs,
-                                           "step_ms": ms, "forward_ms": fwd},
+                                           "step_ms": ms, "forward_ms": fwd, **gap},
                                 "prefill": {"steps": 2, "requests": pre_reqs, "rows": 800, "step_ms": pre_ms,
                                             "forward_ms": pre_ms}}}
 
-    methods = [{"method": "none", "scenarios": {"demo c=4": timing(100, 400, 400.0, 390.0)}},
-               {"method": "ngram", "scenarios": {"demo c=4": timing(40, 160, 240.0, 200.0, rows_per_req=8),
+    methods = [{"method": "none", "scenarios": {"demo c=4": timing(100, 400, 400.0, 390.0, gaps=90, gap_ms=45.0)}},
+               {"method": "ngram", "scenarios": {"demo c=4": timing(40, 160, 240.0, 200.0, rows_per_req=8, gaps=36,
+                                                                    gap_ms=54.0),
                                                  "wild c=1": timing(10, 10, 50.0, 40.0, rows_per_req=8)}},
                {"method": "glance", "scenarios": {"demo c=4": {"tokens_per_s": 1.0}}}]
     rows = step_table(methods, str.upper)
     assert len(STEP_HEAD) == len(rows[0]) and len(rows) == 3
-    assert rows[0] == ["demo c=4", "NONE", "100", "4.0", "1.0", "4.00", "3.90", "975", "0.10", "1.00", "5.00"]
-    assert rows[1] == ["", "NGRAM", "40", "4.0", "8.0", "6.00", "5.00", "156", "1.00", "1.50", "5.00"]
-    assert rows[2] == ["wild c=1", "NGRAM", "10", "1.0", "8.0", "5.00", "4.00", "500", "1.00", "–", "5.00"]
+    assert rows[0] == ["demo c=4", "NONE", "100", "4.0", "1.0", "4.00", "3.90", "975", "0.10", "0.50", "1.00",
+                       "5.00"]
+    assert rows[1] == ["", "NGRAM", "40", "4.0", "8.0", "6.00", "5.00", "156", "1.00", "1.50", "1.50", "5.00"]
+    assert rows[2] == ["wild c=1", "NGRAM", "10", "1.0", "8.0", "5.00", "4.00", "500", "1.00", "–", "–", "5.00"]
     assert step_table([{"method": "none", "scenarios": {"demo c=1": {}}}]) == []
 
 

@@ -274,14 +274,19 @@ def test_profiling_engines_report_where_each_step_s_time_goes(run):
 def test_step_timing_times_every_engine_s_steps_whatever_its_algorithm(run):
     """``GLANCE_SGL_STEP_TIMING=1`` (the bench's side-by-side step table): SGLang's internal state carries, for an
     engine without speculation and for GLANCE alike, its decode steps and prefill batches with the wall ms of each
-    step and of the target's forwards in it. GLANCE's decode steps are the worker's steps, counted by its own
-    profile between the same readings; a plain engine decodes one token a step."""
+    step and of the target's forwards in it, and the scheduler's time between two decode steps. GLANCE's decode steps
+    are the worker's steps, counted by its own profile between the same readings; a plain engine decodes one token
+    a step."""
     plain, ngram = run["plain_timing"], run["ngram_timing"]
     for name, t in (("plain", plain), ("ngram", ngram)):
         assert set(t) == {"decode", "prefill"}, f"{name}: {t}"
         for kind, s in t.items():
             assert s["steps"] > 0 and s["requests"] >= s["steps"], f"{name} {kind}: {s}"
             assert 0 < s["forward_ms"] <= s["step_ms"] and s["rows"] >= s["requests"], f"{name} {kind}: {s}"
+    for name, t in (("plain", plain), ("ngram", ngram)):  # decode steps back to back: the time between them
+        d = t["decode"]
+        assert 0 < d["gaps"] < d["steps"] and 0 < d["gap_ms"], f"{name}: {d}"
+        assert "gaps" not in t["prefill"], f"{name}: {t['prefill']}"
     assert plain["decode"]["rows"] == plain["decode"]["requests"]  # one row a request: the plain decode step
     assert plain["prefill"]["requests"] >= N_PROMPTS  # warm-up prefills too: read since the engine started
     assert plain["decode"]["steps"] >= sum(r["meta_info"]["completion_tokens"] - 1 for r in run["plain"])
