@@ -222,6 +222,7 @@ class NgramSource:
         self._default_acceptance = SourceAcceptance(max_depth=self.settings.max_depth)
         self._hindsight: SourceAcceptance | None = None  # the table proposals are labelled into (propose's)
         self._queued: dict[int, tuple[Any, list[list[int]], int]] = {}  # id(corpus) -> (corpus, windows, tokens)
+        self._queued_last: dict[int, Hashable] = {}  # id(corpus) -> the request whose window is queued last there
         self._read: set[int] = set()  # id() of the corpora read since the last commit (its puts flush at once)
         self._unsynced: set[int] = set()  # id() of the corpora with inserts a lookup has not waited for yet
         self.published_tokens = 0
@@ -286,6 +287,7 @@ class NgramSource:
             # none of them lands after the reset) and serves the new key: no allocation churn
             _, corpus = self._corpora.popitem(last=False)
             self._queued.pop(id(corpus), None)  # the old tenant's queued n-grams go with it
+            self._queued_last.pop(id(corpus), None)
             corpus.synchronize()
             self._unsynced.discard(id(corpus))
             corpus.reset()
@@ -294,21 +296,40 @@ class NgramSource:
         self._corpora[key] = corpus
         return corpus
 
-    def _put(self, corpus: Any, windows: list[list[int]]) -> None:
+    def _put(self, corpus: Any, windows: list[list[int]],
+             continued: Sequence[tuple[Hashable, list[int]] | None] | None = None) -> None:
         """Queue ``windows`` for ``corpus`` (inserted by :meth:`_flush` before a lookup reads it, once
-        ``MAX_QUEUED_TOKENS`` tokens wait, or at once where a lookup read it since the last commit)."""
+        ``MAX_QUEUED_TOKENS`` tokens wait, or at once where a lookup read it since the last commit).
+
+        ``continued``: per window, ``(rid, new)`` where the window is request ``rid``'s context followed by its
+        ``new`` tokens (None: a window of its own). Where the window queued last for ``corpus`` is ``rid``'s, its
+        ``new`` tokens extend that one instead: the trie then stores the same n-grams (every one up to
+        ``max_trie_depth`` tokens that ends in a new token starts within the context) without walking the
+        context's paths again (SGLang's insert stores every path from every position: about 7 us a token on 2
+        cores, and a round's window is mostly context)."""
         if not windows:
             return
-        _, queued, tokens = self._queued.get(id(corpus), (corpus, [], 0))
-        queued.extend(windows)
-        tokens += sum(len(w) for w in windows)
-        self._queued[id(corpus)] = (corpus, queued, tokens)
-        if tokens >= MAX_QUEUED_TOKENS or id(corpus) in self._read:
+        key = id(corpus)
+        _, queued, tokens = self._queued.get(key, (corpus, [], 0))
+        last = self._queued_last.get(key)
+        for i, window in enumerate(windows):
+            link = continued[i] if continued is not None else None
+            if link is not None and queued and last is not None and last == link[0]:
+                queued[-1].extend(link[1])
+                tokens += len(link[1])
+            else:
+                queued.append(window)
+                tokens += len(window)
+            last = None if link is None else link[0]
+        self._queued[key] = (corpus, queued, tokens)
+        self._queued_last[key] = last
+        if tokens >= MAX_QUEUED_TOKENS or key in self._read:
             self._flush(corpus)
 
     def _flush(self, corpus: Any) -> None:
         """Insert what waits for ``corpus`` (one insert call)."""
         entry = self._queued.pop(id(corpus), None)
+        self._queued_last.pop(id(corpus), None)
         if entry is not None:
             corpus.batch_put(entry[1])
             self._unsynced.add(id(corpus))
@@ -383,8 +404,8 @@ class NgramSource:
         its requests' new answer n-grams (a round's commits), and one into the in-flight requests' corpus for the
         windows of the requests whose output no cross-request corpus receives (``_Request.starts`` None)."""
         s = self.settings
-        own: dict[int, tuple[_OwnCorpus, list[list[int]]]] = {}
-        live: dict[str, list[list[int]]] = {}
+        own: dict[int, tuple[_OwnCorpus, list[list[int]], list[tuple[Hashable, list[int]] | None]]] = {}
+        live: dict[str, tuple[list[list[int]], list[tuple[Hashable, list[int]]]]] = {}
         published: dict[str, int] = {}
         for rid, tokens in items:
             req = self._requests.get(rid)
@@ -399,22 +420,27 @@ class NgramSource:
                 self._own_ready(req)  # its prompt before its output, as the tokens came
                 stored = _after_separators(window)  # a skipped prompt position never enters a trie
                 if len(stored) > 1:
-                    own.setdefault(id(req.own), (req.own, []))[1].append(_in_namespace(stored, req.offset))
+                    _, windows, links = own.setdefault(id(req.own), (req.own, [], []))
+                    windows.append(_in_namespace(stored, req.offset))
+                    # continued only where nothing in it is a separator (a skipped position ends the n-grams)
+                    links.append((rid, _in_namespace(tokens, req.offset)) if len(stored) == len(window) else None)
             req.tail = window[-s.max_trie_depth:]
             req.total += len(tokens)
             room = s.max_answer_tokens - len(req.answer)
             if room > 0:
                 if s.publish == "live":  # the answer's new n-grams (the first ones led by the prompt's last tokens)
                     context = (req.lead + req.answer)[-(s.max_trie_depth - 1):]
-                    live.setdefault(req.key, []).append(context + tokens[:room])
+                    windows, links = live.setdefault(req.key, ([], []))
+                    windows.append(context + tokens[:room])
+                    links.append((rid, tokens[:room]))
                     published[req.key] = published.get(req.key, 0) + min(room, len(tokens))
                 req.answer.extend(tokens[:room])
-        for corpus, windows in own.values():
-            self._put(corpus.corpus, windows)
-        for key, windows in live.items():
+        for corpus, windows, links in own.values():
+            self._put(corpus.corpus, windows, links)
+        for key, (windows, links) in live.items():
             corpus = self._cross(key, create=True)
             if corpus is not None:
-                self._put(corpus, windows)
+                self._put(corpus, windows, links)
                 self.published_tokens += published[key]
         self._read.clear()  # a round without lookups leaves the next round's commits queued
         self._label(items)
@@ -452,6 +478,9 @@ class NgramSource:
         req = self._requests.pop(rid, None)
         if req is None:
             return
+        for key, last in self._queued_last.items():  # a request added again under this id starts a window anew
+            if last == rid:
+                self._queued_last[key] = None
         if self._hindsight is not None and req.pending:  # labelled as far as the answer went
             self._hindsight.observe_hindsight(SOURCE_NGRAM, req.pending)
         if publish and self.settings.publish == "finished" and len(req.answer) > 1:

@@ -432,6 +432,50 @@ def test_queued_inserts_reach_lookups_and_never_another_tenant():
     assert not any(p[:2] == (46, 47) for p in paths_of(src.propose(["b"], rows=8)))
 
 
+def test_queued_rounds_of_a_request_go_in_as_one_window_with_the_same_ngrams():
+    """Rounds committed while nothing reads the corpus extend their request's queued window (the trie walks the
+    context once, not once per round), and a lookup then matches exactly what separate windows gave: every n-gram
+    of the answer, across the rounds' boundaries. A window of another request in between, or the request added
+    again under its id, starts a window of its own."""
+    answer = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    puts: dict[str, list[list[int]]] = {}
+    found = {}
+    for name, lookups in (("queued", False), ("flushed", True)):
+        src = NgramSource(small(scope="shared"))
+        corpus = src._cross("", create=False)
+        real_put = corpus.batch_put
+        puts[name] = []
+        corpus.batch_put = lambda windows, real=real_put, out=puts[name]: (out.extend(list(w) for w in windows),
+                                                                           real(windows))[1]
+        src.add_request("a", [1, 2, 3])
+        for i in range(0, len(answer), 2):  # five rounds of two tokens
+            src.commit("a", answer[i:i + 2])
+            if lookups:
+                src.propose(["a"], rows=8)
+        src.add_request("q", [7, 8])
+        found[name] = {}
+        for root in (41, 43, 46):  # the answer's n-grams from rounds' boundaries and within them
+            src.commit("q", [root])
+            found[name][root] = paths_of(src.propose(["q"], rows=8))
+    assert found["queued"] == found["flushed"]
+    assert (42, 43, 44, 45, 46, 47) in found["queued"][41]
+    assert (47, 48, 49) in found["queued"][46]
+    assert sum(len(w) for w in puts["queued"]) < sum(len(w) for w in puts["flushed"])
+    assert [1, 2, 3] + answer in puts["queued"]  # the prompt's last tokens, then the whole answer, once
+
+    src = NgramSource(small(scope="shared"))
+    src.add_request("a", [1, 2, 3])
+    src.add_request("b", [5, 6])
+    src.commit("a", [40, 41])
+    src.commit("b", [50])
+    src.commit("a", [42])  # b's window is queued last: a's continues in a window of its own
+    src.finish("a")
+    src.add_request("a", [1, 2, 3])  # again under its id: no continuation of the old answer's window
+    src.commit("a", [60])
+    _, windows, _ = src._queued[id(src._cross("", create=False))]
+    assert windows == [[1, 2, 3, 40, 41], [5, 6, 50], [1, 2, 3, 40, 41, 42], [1, 2, 3, 60]]
+
+
 def test_commits_after_a_lookup_insert_at_once():
     """A round's commits to a corpus its lookup read are inserted at commit (SGLang's insert thread stores them
     while the engine finishes the round, so the next lookup does not wait for the insert); a round without a lookup
