@@ -38,9 +38,10 @@ engine's life (the method's ``host_ms_per_step``: the worker's last ``GLANCE hos
 included; with ``--engine-runs`` the last run's engine); printed one line per step kind: where a step's time goes.
 It also times every engine's scheduler steps, whatever the method (``GLANCE_SGL_STEP_TIMING=1``,
 :mod:`glance_sgl.sglang.step_timing`): per scenario, each method's decode steps, their mean batch and rows per
-request, their mean wall ms (the target's forward, its us per row, and the rest), that step against no
-speculation's step in the same scenario (a step's cost in plain decode steps, NGRAM's included) and the prefill's
-ms per request, read around each measured chunk (``step_timing`` of each scenario in the JSON).
+request, their mean wall ms (the target's forward, its us per row, and the rest), the scheduler's ms between two
+decode steps, that step against no speculation's step in the same scenario (a step's cost in plain decode steps,
+NGRAM's included) and the prefill's ms per request, read around each measured chunk (``step_timing`` of each
+scenario in the JSON).
 ``--count-host-reads`` (with ``--log-dir``) has the GLANCE worker count its device-to-host reads per decode step
 (``GLANCE_SGL_COUNT_HOST_READS=1``, a cost: do not read its speeds) and reports the max / mean per step, overall and
 by (batch size, rows verified per request).

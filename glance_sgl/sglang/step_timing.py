@@ -11,8 +11,8 @@ state (``/get_server_info``'s ``internal_states``, one per scheduler) carries th
 rows for every request, padding included), ``step_ms`` (wall ms of ``run_batch``) and ``forward_ms`` (of the
 target's forwards in it); for decode steps that follow a decode step also ``gaps`` and ``gap_ms``: the wall ms from
 the previous step's ``run_batch`` to this one's, where the scheduler processes the previous step's results
-(SGLang's speculative result handling, the detokenizer's queue) and builds the next batch (its KV reservation). ``python -m glance_sgl.sglang.bench --step-stats`` reads them before and after every
-measured chunk.
+(SGLang's speculative result handling, the detokenizer's queue) and builds the next batch (its KV reservation).
+``python -m glance_sgl.sglang.bench --step-stats`` reads them before and after every measured chunk.
 
 The wall time of ``run_batch`` is the step's only where the scheduler runs synchronously (SGLang's CPU default);
 under the overlap scheduler it is the launch. The time between steps is not in it: that is ``gap_ms``.

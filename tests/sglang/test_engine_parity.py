@@ -58,8 +58,8 @@ def run(checkpoints, tmp_path_factory):
                           log_path=logs / "ngram.log", wait=False)
     off = EngineProcess(cpu_engine_kwargs(target, drafter), env={**STRICT, "GLANCE_PLANNER": "off"},
                         log_path=logs / "off.log", wait=False)
-    plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None), env={**STRICT, "GLANCE_SGL_STEP_TIMING": "1"},
-                          log_path=logs / "plain.log", wait=False)
+    plain = EngineProcess(cpu_engine_kwargs(target, None, algorithm=None),
+                          env={**STRICT, "GLANCE_SGL_STEP_TIMING": "1"}, log_path=logs / "plain.log", wait=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # three processes share the cores; oversubscribed torch threads crawl
     t0 = time.perf_counter()
