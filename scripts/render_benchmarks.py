@@ -191,6 +191,7 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
              f"(at 1 in flight) leaves the prefill out.", ""]
     head, rows = _sglang_rows(report)
     lines += _table(head, rows)
+    lines += _spread_table(report)
     rows_per = ", ".join(f"{METHOD_LABELS.get(r['method'], r['method'])} {r['rows_per_step']:.1f}"
                          for r in report["methods"] if r.get("rows_per_step") is not None)
     if rows_per:
@@ -202,6 +203,21 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
     if starts:
         lines += ["", f"Engine start-up (not counted above): {starts}."]
     return "\n".join(lines)
+
+
+def _spread_table(report: dict[str, Any]) -> list[str]:
+    """Each method's output tok/s over NGRAM's, pooled and engine run by engine run (``--engine-runs``:
+    :func:`glance_sgl.sglang.bench.run_spread`). Nothing without per-run rates."""
+    sys.path.insert(0, str(ROOT))
+    from glance_sgl.sglang.bench import SPREAD_HEAD, run_spread
+
+    rows = run_spread([r for r in report["methods"] if not r.get("error")],
+                      label=lambda m: METHOD_LABELS.get(m, m))
+    if not rows:
+        return []
+    return ["", "Each method's output tok/s over NGRAM's in the same run: pooled (the table above), and in each "
+                "engine run alone (every engine started afresh; the runs interleave the same chunks), with their "
+                "range: how far one engine run's ratio strays from the pool.", ""] + _table(SPREAD_HEAD, rows)
 
 
 def _step_timing_table(report: dict[str, Any]) -> list[str]:

@@ -68,7 +68,9 @@ first time) N times, chunk by chunk, and pools the runs: the later scenarios rep
 already, so more runs of them measure the same thing with less noise (a scenario of 32 requests at 16 in flight is
 two chunks of about 0.3 s each). ``--engine-runs N`` (with ``--interleave``) runs all of that N times, every engine
 started afresh each time, and pools the runs: two engine processes running the same code can differ by 5-10 % for
-their whole lives on a CPU, more than the differences between methods worth measuring.
+their whole lives on a CPU, more than the differences between methods worth measuring. Each run's rate is kept
+too (``runs_tokens_per_s``), and every method's rate over NGRAM's is printed pooled and run by run, with the runs'
+range (:func:`run_spread`): how far a single engine run strays from the pool.
 
 tau = (completion - 1) / verify steps, pooled (design §1; an AR step of the planner counts as a verify step of
 accept length 1). Outputs are compared token for token with the no-speculation run. ``--device cuda`` runs the
@@ -84,7 +86,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..metrics import add_ms, ms_per_step
 from .plugin import STEP_PARTS_KEY
@@ -469,6 +471,7 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
     average out what one engine's draw would decide."""
     rows = {m: {"method": m, "scenarios": {}} for m in methods}
     parts: dict[str, dict[str, list]] = {name: {m: [] for m in methods} for name in scenarios}
+    run_parts: dict[str, dict[str, dict[int, list]]] = {name: {m: {} for m in methods} for name in scenarios}
     profiled = {m for m in methods if envs[m].get("GLANCE_SGL_PROFILE") == "1"}
     timed = {m for m in methods if envs[m].get("GLANCE_SGL_STEP_TIMING") == "1"}
     engines: dict[str, EngineProcess] = {}
@@ -499,8 +502,9 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
             except Exception as exc:
                 fail(m, exc)
 
-    def measure() -> None:
-        """Every scenario's chunks, each run by every live engine in a rotating order, into ``parts``."""
+    def measure(run: int) -> None:
+        """Every scenario's chunks, each run by every live engine in a rotating order, into ``parts`` (and
+        ``run_parts``, by engine run)."""
         for name, (reqs, c) in scenarios.items():
             size = max(2 * c, 4)
             live = [m for m in methods if m in engines]
@@ -512,8 +516,10 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
                     if m not in engines:
                         continue
                     try:
-                        parts[name][m].append(_measure(engines[m], reqs[i:i + size], c, name == "demo c=1",
-                                                       m in profiled, m in timed))
+                        measured = _measure(engines[m], reqs[i:i + size], c, name == "demo c=1", m in profiled,
+                                            m in timed)
+                        parts[name][m].append(measured)
+                        run_parts[name][m].setdefault(run, []).append(measured)
                     except Exception as exc:
                         fail(m, exc)
 
@@ -522,7 +528,7 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
             print(f"[bench] engine run {run + 1}/{engine_runs}", file=sys.stderr, flush=True)
         try:
             start(run)
-            measure()
+            measure(run)
         finally:
             for eng in engines.values():
                 eng.close()
@@ -531,9 +537,39 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
         for m in methods:
             if not rows[m].get("error") and parts[name][m]:
                 row = rows[m]["scenarios"][name] = _pool(parts[name][m])
+                if engine_runs > 1:  # each engine run's own rate: how far one run's ratios stray from the pool
+                    row["runs_tokens_per_s"] = [_pool(run_parts[name][m][r])["tokens_per_s"]
+                                                for r in sorted(run_parts[name][m])]
                 print(f"[bench] {m} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
                       file=sys.stderr, flush=True)
     return [rows[m] for m in methods]
+
+
+def run_spread(rows: list[dict[str, Any]], reference: str = "ngram",
+               label: Callable[[str], str] = lambda m: m) -> list[list[str]]:
+    """Per scenario and method, its output tok/s over ``reference``'s: pooled, then in each engine run alone
+    (``--engine-runs``: each run's ``runs_tokens_per_s``), and the runs' range: [scenario, method, pooled, per run,
+    range]. Nothing where the reference did not run or no scenario has per-run rates."""
+    ref = next((r for r in rows if r["method"] == reference and not r.get("error")), None)
+    out: list[list[str]] = []
+    if ref is None:
+        return out
+    for name, base in ref["scenarios"].items():
+        first = True
+        for r in rows:
+            s = r["scenarios"].get(name) if not r.get("error") else None
+            if r is ref or s is None or not s.get("runs_tokens_per_s") or not base.get("runs_tokens_per_s"):
+                continue
+            per = [a / b for a, b in zip(s["runs_tokens_per_s"], base["runs_tokens_per_s"]) if b > 0]
+            if not per:
+                continue
+            out.append([name if first else "", label(r["method"]), f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}",
+                        " ".join(f"{x:.2f}" for x in per), f"{min(per):.2f}-{max(per):.2f}"])
+            first = False
+    return out
+
+
+SPREAD_HEAD = ["scenario", "method", "over NGRAM, pooled", "each engine run", "range"]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -557,6 +593,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             same = f"{sum(x == y for x, y in zip(s['outputs'], b['outputs']))}/{len(s['outputs'])}" if b else "-"
             lines.append(f"{name:<11} {r['method']:<13} {s['tokens_per_s']:>12.1f} {ratio:>7.2f}x "
                          f"{dec if dec else float('nan'):>12.1f} {dratio:>7.2f}x {s['tau']:>6.2f} {same:>10}")
+    spread = run_spread(ok)
+    if spread:
+        lines.append("output tok/s over NGRAM's, pooled and in each engine run (--engine-runs):")
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, (11, 13, 18, 24, 10))).rstrip()
+                  for row in [SPREAD_HEAD] + spread]
     steps = step_table(ok)
     if steps:
         widths = [max(len(h), *(len(row[i]) for row in steps)) for i, h in enumerate(STEP_HEAD)]

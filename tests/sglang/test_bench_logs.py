@@ -92,6 +92,26 @@ def test_the_step_table_puts_every_method_s_decode_step_beside_no_speculation_s(
     assert step_table([{"method": "none", "scenarios": {"demo c=1": {}}}]) == []
 
 
+def test_the_spread_table_gives_each_engine_run_s_ratio_over_ngram_beside_the_pooled_one():
+    """With several engine runs each scenario keeps every run's rate; the spread table puts each method's rate over
+    NGRAM's, pooled and run by run, with the runs' range; NGRAM itself, a failed method, a scenario without per-run
+    rates and a run without NGRAM give no row; the console table prints it."""
+    def sc(pooled, runs=None):
+        return {"tokens_per_s": pooled, "tau": 2.0, "outputs": [], **({"runs_tokens_per_s": runs} if runs else {})}
+
+    rows = [{"method": "ngram", "scenarios": {"demo c=1": sc(100.0, [90.0, 110.0]), "wild c=1": sc(50.0)}},
+            {"method": "glance", "scenarios": {"demo c=1": sc(120.0, [117.0, 121.0]), "wild c=1": sc(40.0)}},
+            {"method": "glance-ngram", "scenarios": {"demo c=1": sc(95.0, [99.0, 88.0])}},
+            {"method": "none", "error": "boom", "scenarios": {}}]
+    spread = bench.run_spread(rows, label=str.upper)
+    assert spread == [["demo c=1", "GLANCE", "1.20", "1.30 1.10", "1.10-1.30"],
+                      ["", "GLANCE-NGRAM", "0.95", "1.10 0.80", "0.80-1.10"]]
+    assert len(spread[0]) == len(bench.SPREAD_HEAD)
+    assert bench.run_spread(rows[1:]) == []  # no NGRAM in the run
+    table = bench.format_table(rows)
+    assert "each engine run" in table and "1.10-1.30" in table
+
+
 def test_dflash_on_cpu_fails_with_the_reason_not_a_crash():
     why = bench.method_unavailable("dflash", "cpu")
     assert "speculative_hook.py" in why and "_handle_dflash" in why and "--device cuda" in why
