@@ -951,10 +951,11 @@ class Planner:
         """Per request of ``rids``, whether the drafter drafts for it this round, from each request's lead entropy
         and record. Cheap: no tensor work. Counts a probe as drafting. ``alternative``: the round without the
         drafter that the other sources' candidates allow (:meth:`choose` with ``drafter_ran=False``); None: an AR
-        step. A probe drafts for the whole batch; otherwise the requests whose drafting is on draft where what they
-        are expected to add pays for the round, the drafter pass priced at their number (it costs by the requests
-        it drafts for: on a CPU about 0.8 ms a request at 16 in flight). Those whose drafting is off (paused, held
-        back) verify the round without the drafter in the same target pass."""
+        step. A probe drafts for the whole batch, less the requests whose matches cover the block (unless their
+        own probe is due and worth it, or their drafting is on); otherwise the requests whose drafting is on draft
+        where what they are expected to add pays for the round, the drafter pass priced at their number (it costs by
+        the requests it drafts for: on a CPU about 0.8 ms a request at 16 in flight). Those whose drafting is off
+        (paused, held back) verify the round without the drafter in the same target pass."""
         bs = len(rids)
         if self.mode == "fixed":
             return [True] * bs
@@ -981,7 +982,13 @@ class Planner:
                      * self.gain_table(other[b]).expected(leads[b] if leads[b] is not None else 0.0) >= need]
             if worth and (2 * len(worth) >= bs
                           or any(states[b].exploring and self.rival_bin(other[b]) == 0 for b in worth)):
-                return [not st.retired for st in states]  # a retired request's context may have gaps
+                # every request is probed with them but those whose matches cover the block and were not worth a
+                # probe: the drafter pass would cost them their share (on a CPU it costs by the requests it drafts
+                # for) and its nodes would take rows from their matches; a retired request's context may have gaps
+                probed = set(worth)
+                off = [st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, bs))]
+                return [not st.retired and (b in probed or not off[b] or self.rival_bin(other[b]) == 0)
+                        for b, st in enumerate(states)]
         off = [st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, bs))]
         if all(off):
             return [False] * bs

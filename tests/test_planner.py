@@ -492,6 +492,24 @@ def test_in_a_batch_probes_wait_until_half_the_batch_is_due_and_one_drafted_batc
     assert len(drafted) <= 3
 
 
+def test_a_batch_probe_leaves_out_the_requests_whose_matches_cover_the_block():
+    """A probe drafts for the requests it probes and the rest of the batch with them, except those whose n-gram
+    round already expects most of the block and were not due a probe worth it: the drafter pass would cost them
+    their share and its nodes would take rows from their matches. Without matches every request is probed."""
+    from glance_sgl.planner import Plan
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+    rids = ["a", "b", "c", "d"]
+    for i, r in enumerate(rids):  # paused requests; "a" and "b" are due a probe, "c" and "d" not yet
+        planner.begin(r, 0.01)
+        st = planner.state(r)
+        st.drafted_rounds, st.paused, st.probe_interval, st.ar_streak = 5, True, 8, 8 if r in "ab" else 1
+    covered = Plan(7, [1.0, 1.0, 8.0, 1.0], drafted=False)  # "c": a 7-node chain it expects to be accepted
+    assert planner.draft_mask(rids, covered) == [True, True, False, True]
+    assert planner.draft_mask(rids, Plan(7, [1.0] * 4, drafted=False)) == [True] * 4
+    assert planner.draft_mask(rids) == [True] * 4  # an AR step's batch: nothing covered
+
+
 def test_calibrated_rows_are_smoothed_beyond_the_ar_step():
     """One noisy point does not bend the per-row slope: beyond 1 row a least-squares line, the AR step as
     measured, never decreasing."""
