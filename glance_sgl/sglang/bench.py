@@ -537,9 +537,10 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
         for m in methods:
             if not rows[m].get("error") and parts[name][m]:
                 row = rows[m]["scenarios"][name] = _pool(parts[name][m])
-                if engine_runs > 1:  # each engine run's own rate: how far one run's ratios stray from the pool
-                    row["runs_tokens_per_s"] = [_pool(run_parts[name][m][r])["tokens_per_s"]
-                                                for r in sorted(run_parts[name][m])]
+                if engine_runs > 1:  # each engine run's own rate (None: the engine failed before it measured)
+                    per_run = run_parts[name][m]
+                    row["runs_tokens_per_s"] = [_pool(per_run[r])["tokens_per_s"] if r in per_run else None
+                                                for r in range(engine_runs)]
                 print(f"[bench] {m} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
                       file=sys.stderr, flush=True)
     return [rows[m] for m in methods]
@@ -560,7 +561,7 @@ def run_spread(rows: list[dict[str, Any]], reference: str = "ngram",
             s = r["scenarios"].get(name) if not r.get("error") else None
             if r is ref or s is None or not s.get("runs_tokens_per_s") or not base.get("runs_tokens_per_s"):
                 continue
-            per = [a / b for a, b in zip(s["runs_tokens_per_s"], base["runs_tokens_per_s"]) if b > 0]
+            per = [a / b for a, b in zip(s["runs_tokens_per_s"], base["runs_tokens_per_s"]) if a and b]
             if not per:
                 continue
             out.append([name if first else "", label(r["method"]), f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}",

@@ -102,10 +102,12 @@ def test_the_spread_table_gives_each_engine_run_s_ratio_over_ngram_beside_the_po
     rows = [{"method": "ngram", "scenarios": {"demo c=1": sc(100.0, [90.0, 110.0]), "wild c=1": sc(50.0)}},
             {"method": "glance", "scenarios": {"demo c=1": sc(120.0, [117.0, 121.0]), "wild c=1": sc(40.0)}},
             {"method": "glance-ngram", "scenarios": {"demo c=1": sc(95.0, [99.0, 88.0])}},
+            {"method": "glance-off", "scenarios": {"demo c=1": sc(70.0, [None, 66.0])}},  # no rate in run 1
             {"method": "none", "error": "boom", "scenarios": {}}]
     spread = bench.run_spread(rows, label=str.upper)
     assert spread == [["demo c=1", "GLANCE", "1.20", "1.30 1.10", "1.10-1.30"],
-                      ["", "GLANCE-NGRAM", "0.95", "1.10 0.80", "0.80-1.10"]]
+                      ["", "GLANCE-NGRAM", "0.95", "1.10 0.80", "0.80-1.10"],
+                      ["", "GLANCE-OFF", "0.70", "0.60", "0.60-0.60"]]
     assert len(spread[0]) == len(bench.SPREAD_HEAD)
     assert bench.run_spread(rows[1:]) == []  # no NGRAM in the run
     table = bench.format_table(rows)
