@@ -310,7 +310,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     cheap = without_pass if planner.speculates else []
     rows = planner.max_nodes + 1
     # 1. the sources without a model pass propose first (host lookups, skipped for requests whose drafting
-    #    rounds they add nothing to), and their best round is planned: the round to beat
+    #    rounds they add nothing to: those look after the gate if it leaves them out), and their best round is
+    #    planned: the round to beat
     looks = planner.cheap_rows(batch.rids, rows) if cheap else []
     looked = sum(1 for n in looks if n > 1)
     with on_host():
@@ -332,6 +333,23 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         mask, context = [False] * n, [False] * n
     keep = any(context)
     drafting = any(mask)
+    # 2b. a request that skipped its lookup for the drafter's round (its matches add little there) but that the gate
+    #     left out of it looks now: the round without the drafter is its round too, not an AR step
+    #     (its plan sizes the verify tree of a round without the drafter; the planner's records keep the round
+    #     the gate weighed, ``alternative``)
+    late = [b for b in range(n) if cheap and looks[b] <= 1 and not mask[b]]
+    late_s, verify_plan = 0.0, alternative
+    if late:
+        tl = time.perf_counter()
+        with on_host():
+            wanted = set(late)
+            extra = propose(cheap, batch, [rows if b in wanted else 1 for b in range(n)], max_depth)
+            fallback = extra if fallback is None else merge_trees([fallback, extra], rows, max_depth)
+            verify_plan = planner.choose(batch.rids, fallback.scores, fallback.depths, fallback.sources,
+                                         drafter_ran=False)
+        looked += len(late)
+        late_s = time.perf_counter() - tl
+        cheap_s += late_s
     t_gate = time.perf_counter()
     keeps_leads = True  # whether the planner keeps this round's lead entropies (a drafting round's: always)
     if drafting:
@@ -356,8 +374,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         t1 = time.perf_counter()
         skipped = planner.skip(batch.rids, alternative)  # the drafter's record: a round without it
         keeps_leads = skipped.keeps_leads and bool(drafters)  # without a drafter no gate reads a lead
-        candidates, plan = ((None, skipped) if alternative is None else
-                            (fallback, dataclasses.replace(alternative, keeps_leads=keeps_leads)))
+        candidates, plan = ((None, skipped) if verify_plan is None else
+                            (fallback, dataclasses.replace(verify_plan, keeps_leads=keeps_leads)))
         planned = candidates
     # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs (the root alone: an AR step)
     t_draft = time.perf_counter()
@@ -423,7 +441,10 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
 
     ms = [1000.0 * (b - a) for a, b in ((t0, t_look), (t_look, t_plan), (t_plan, t_gate), (t_gate, t_draft),
                                          (t_draft, t2), (t2, t3), (t3, t_walk), (t_walk, t_keep), (t_keep, launched))]
-    result = RoundResult(tree, walk, plan, out, None, launched, settle, dict(zip(PHASES, ms)))
+    phases = dict(zip(PHASES, ms))
+    phases["lookup"] += 1000.0 * late_s  # the late lookups (2b) ran inside the gate's interval
+    phases["gate"] -= 1000.0 * late_s
+    result = RoundResult(tree, walk, plan, out, None, launched, settle, phases)
     if not defer_outcome:
         result.settle()
         result.ended = time.perf_counter()

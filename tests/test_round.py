@@ -273,3 +273,53 @@ def test_a_deferred_outcome_is_read_and_reported_when_settled(engines):
         runs[defer] = (committed[: len(ar)], [(p.rows, p.accepted, p.drafted) for p in planner.reports])
     assert runs[False][0] == runs[True][0] == ar
     assert runs[False][1] == runs[True][1]
+
+
+class _SkipLookups(Planner):
+    """The auto planner, but every request skips its lookup in ``cheap_rows`` (as a drafting request whose matches
+    add little to its drafter's rounds does) and the gate drafts for ``drafts`` only."""
+
+    def __init__(self, *args, drafts: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drafts = drafts
+
+    def cheap_rows(self, rids, rows):
+        return [1] * len(rids)
+
+    def draft_mask(self, rids, alternative=None):
+        return [self.drafts] * len(rids)
+
+
+def test_a_request_that_skipped_its_lookup_looks_when_the_gate_leaves_it_out(engines):
+    """A request skips its n-gram lookup for the drafter's round; where the gate then leaves it out of that round,
+    it looks after the gate and verifies its matches (not the root alone); where the gate drafts for it, it does
+    not look. Either way the output is the AR path's."""
+    from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource
+
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    messages = make_prompts(3, seed=31)[2]
+    ar = engine.generate(messages, SamplingParams(max_tokens=24), mode="ar").token_ids
+    for drafts in (False, True):
+        ngram = NgramCandidates(NgramSource(NgramSettings(max_depth=engine.block_size - 1, scope="off")))
+        planner = _SkipLookups(engine.cost_model(), engine.max_nodes, engine.block_size - 1, drafts=drafts)
+        prompt = target.prepare(messages)
+        state, rows = target.prefill(prompt, taps=taps)
+        drafter = CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k)
+        committed = [int(rows.logits[-1].argmax())]
+        # the request's own tokens so far hold its answer: its matches are the AR path's continuation
+        ngram.start("r", prompt.input_ids[0].tolist() + ar + ar)
+        ngram.source.commit("r", committed)
+        rows_pass, looked = CachePass(target, state, taps), []
+        while len(committed) < len(ar):
+            batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]),
+                               [SamplingSpec()])
+            r = speculative_round(batch, planner, [drafter, ngram], rows_pass, max_depth=engine.block_size - 1)
+            assert r.drafted == drafts
+            looked.append(r.report.cheap_ms is not None)
+            if not drafts:  # the late lookup's candidates, verified without the drafter
+                assert r.tree.num_rows > 1 and r.tree.sources is not None
+            committed += r.walk.committed()[0]
+        assert committed[: len(ar)] == ar
+        assert all(looked) if not drafts else not any(looked)
+        ngram.finish("r")
