@@ -965,6 +965,7 @@ class Planner:
         leads = [self.leads.get(r) for r in rids]
         stakes = None  # (other, round_ms, rate): weighed only where a probe is due or some request drafts
         due = [b for b, st in enumerate(states) if st.probe_due]
+        off = [st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, bs))]
         # a probe: a request's drafting may pay (again); the tree size still gets chosen. In a batch the whole
         # batch pays for it, so a probe waits until half the batch's are due (or an explorer's is), unless the
         # batch's drafting pays anyway; every request of a drafted batch is probed by it. Where n-gram matches
@@ -986,10 +987,8 @@ class Planner:
                 # probe: the drafter pass would cost them their share (on a CPU it costs by the requests it drafts
                 # for) and its nodes would take rows from their matches; a retired request's context may have gaps
                 probed = set(worth)
-                off = [st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, bs))]
                 return [not st.retired and (b in probed or not off[b] or self.rival_bin(other[b]) == 0)
                         for b, st in enumerate(states)]
-        off = [st.off_for(self.rival_bin(o) > 0) for st, o in zip(states, self._rivals(alternative, bs))]
         if all(off):
             return [False] * bs
         other, round_ms, rate = stakes or self._stakes(states, alternative)

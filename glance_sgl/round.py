@@ -337,7 +337,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     #     left out of it looks now: the round without the drafter is its round too, not an AR step
     #     (its plan sizes the verify tree of a round without the drafter; the planner's records keep the round
     #     the gate weighed, ``alternative``)
-    late = [b for b in range(n) if cheap and looks[b] <= 1 and not mask[b]]
+    late = [b for b in range(n) if looks[b] <= 1 and not mask[b]] if cheap else []
     late_s, verify_plan = 0.0, alternative
     if late:
         tl = time.perf_counter()

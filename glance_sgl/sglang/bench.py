@@ -470,7 +470,7 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
     5-10 % faster or slower than another for its whole life (on a CPU at least), so that several engines per method
     average out what one engine's draw would decide."""
     rows = {m: {"method": m, "scenarios": {}} for m in methods}
-    parts: dict[str, dict[str, list]] = {name: {m: [] for m in methods} for name in scenarios}
+    # per scenario and method, each engine run's measured chunks, in the order they ran
     run_parts: dict[str, dict[str, dict[int, list]]] = {name: {m: {} for m in methods} for name in scenarios}
     profiled = {m for m in methods if envs[m].get("GLANCE_SGL_PROFILE") == "1"}
     timed = {m for m in methods if envs[m].get("GLANCE_SGL_STEP_TIMING") == "1"}
@@ -503,8 +503,7 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
                 fail(m, exc)
 
     def measure(run: int) -> None:
-        """Every scenario's chunks, each run by every live engine in a rotating order, into ``parts`` (and
-        ``run_parts``, by engine run)."""
+        """Every scenario's chunks, each run by every live engine in a rotating order, into ``run_parts``."""
         for name, (reqs, c) in scenarios.items():
             size = max(2 * c, 4)
             live = [m for m in methods if m in engines]
@@ -518,7 +517,6 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
                     try:
                         measured = _measure(engines[m], reqs[i:i + size], c, name == "demo c=1", m in profiled,
                                             m in timed)
-                        parts[name][m].append(measured)
                         run_parts[name][m].setdefault(run, []).append(measured)
                     except Exception as exc:
                         fail(m, exc)
@@ -535,10 +533,10 @@ def run_interleaved(methods: list[str], kwargs: dict[str, dict[str, Any]], envs:
             engines.clear()
     for name in scenarios:
         for m in methods:
-            if not rows[m].get("error") and parts[name][m]:
-                row = rows[m]["scenarios"][name] = _pool(parts[name][m])
+            per_run = run_parts[name][m]
+            if not rows[m].get("error") and per_run:
+                row = rows[m]["scenarios"][name] = _pool([p for r in sorted(per_run) for p in per_run[r]])
                 if engine_runs > 1:  # each engine run's own rate (None: the engine failed before it measured)
-                    per_run = run_parts[name][m]
                     row["runs_tokens_per_s"] = [_pool(per_run[r])["tokens_per_s"] if r in per_run else None
                                                 for r in range(engine_runs)]
                 print(f"[bench] {m} {name}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}",
