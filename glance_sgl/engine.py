@@ -27,8 +27,8 @@ from .drafter import CachedDrafter, GlanceDrafter
 from .metrics import RequestMetrics, entropy_nats, source_counts
 from .ngram_source import NgramCandidates, NgramSettings, NgramSource
 from .special_tokens import SpecialTokenGuard, special_token_message
-from .planner import (PLANNER_MODES, AlwaysDraft, CostModel, Planner, PlannerMode, cost_key, default_row_grid,
-                      load_costs, save_costs)
+from .costs import CostModel, cost_key, default_row_grid, load_costs, save_costs
+from .planner import PLANNER_MODES, AlwaysDraft, Planner, PlannerMode
 from .round import DRAFT_SOURCES, RoundBatch, calibrate_round, check_draft_sources, speculative_round
 from .target import CachePass, PreparedPrompt, RowsOutput, TargetAdapter, TargetError, TargetState
 from .tree import max_tree_size

@@ -40,7 +40,8 @@ import torch
 
 from .host_transfers import on_host
 from .metrics import entropy_tensor
-from .planner import CostModel, Plan, RoundReport, calibrate
+from .costs import CostModel, calibrate
+from .planner import Plan, RoundReport
 from .tree import SOURCE_DRAFTER, SOURCE_NONE, DraftTree, accepted_alone, merge_trees, spread_requests
 from .verify import SamplingSpec, WalkResult, verify_tree
 
@@ -481,7 +482,7 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
                     smooth: bool = False) -> CostModel:
     """The costs of ``batch``'s rounds on this machine: the target pass over chains of every row count of
     ``row_grid`` (rows per request; 1 = the AR step's pass) and the sources' proposal at ``max_rows`` rows,
-    measured by :func:`glance_sgl.planner.calibrate` (``repeats`` sweeps, the fastest of each point;
+    measured by :func:`glance_sgl.costs.calibrate` (``repeats`` sweeps, the fastest of each point;
     ``smooth``: one request's curve). The passes leave nothing behind (:meth:`TargetRows.drop`)."""
     bs = batch.size
 

@@ -9,7 +9,8 @@ import torch
 from glance_sgl.demo import paths
 from glance_sgl.demo.tasks import GROUNDED, TASKS, eval_set, train_example
 from glance_sgl.engine import SamplingParams
-from glance_sgl.planner import CostModel, Planner
+from glance_sgl.costs import CostModel
+from glance_sgl.planner import Planner
 
 
 def pixels(img) -> bytes:

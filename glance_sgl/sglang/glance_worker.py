@@ -51,7 +51,7 @@ from glance_sgl.drafter import GlanceDrafter
 from glance_sgl.host_transfers import count_host_transfers
 from glance_sgl.metrics import add_ms, entropies_nats, ms_per_step
 from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource
-from glance_sgl.planner import cost_key, default_row_grid, save_costs
+from glance_sgl.costs import cost_key, default_row_grid, save_costs
 from glance_sgl.round import (PHASES, PassOutput, RoundBatch, RoundResult, calibrate_round,
                               speculative_round)
 from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree

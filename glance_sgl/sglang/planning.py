@@ -8,11 +8,11 @@
 - ``random[:SEED]``: test-only; random tree sizes and plain AR steps (no drafter pass), to check that every
   mix of step shapes stays token-identical to decoding without speculation.
 
-The cost model is :class:`BatchCostModel`, a :class:`glance_sgl.planner.CostModel` whose target-pass curve is
+The cost model is :class:`BatchCostModel`, a :class:`glance_sgl.costs.CostModel` whose target-pass curve is
 kept per calibrated batch size (on SGLang the pass's cost depends on the batch size, not only on total rows:
 per-request attention work and launch overheads), plus the scheduler's own per-step time between two decode
 steps (which every step pays, AR included). It is calibrated inside the running server (see
-``GlanceWorker._calibrate``), cached per device + model by :func:`glance_sgl.planner.save_costs`, and refined
+``GlanceWorker._calibrate``), cached per device + model by :func:`glance_sgl.costs.save_costs`, and refined
 online.
 """
 
@@ -23,7 +23,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from glance_sgl.planner import CostModel, Planner, RandomPlanner, _interp, _interp_many, cost_cache_dir
+from glance_sgl.costs import CostModel, _interp, _interp_many, cost_cache_dir
+from glance_sgl.planner import Planner, RandomPlanner
 
 STEP_RATE = 0.1  # weight of one measured scheduler gap
 
@@ -173,7 +174,7 @@ class BatchCostModel(CostModel):
 
 
 def load_batch_costs(key: str) -> BatchCostModel | None:
-    """The cached :class:`BatchCostModel` of ``key`` (written by ``glance_sgl.planner.save_costs``), or None
+    """The cached :class:`BatchCostModel` of ``key`` (written by ``glance_sgl.costs.save_costs``), or None
     when there is none (or it is unreadable / of another key)."""
     directory = cost_cache_dir()
     if directory is None:

@@ -15,7 +15,7 @@ sglang = pytest.importorskip("sglang")
 
 
 def test_batch_cost_model_interpolates_refines_and_round_trips(tmp_path, monkeypatch):
-    from glance_sgl.planner import save_costs
+    from glance_sgl.costs import save_costs
     from glance_sgl.sglang.planning import BatchCostModel, load_batch_costs
 
     c = BatchCostModel.prior("k1")
