@@ -197,6 +197,7 @@ def render_sglang(report: dict[str, Any], run: dict[str, Any]) -> str:
     if rows_per:
         lines += ["", f"Rows verified per request and decode step, over the whole run: {rows_per}."]
     lines += _step_timing_table(report)
+    lines += _gap_table(report)
     lines += _host_ms_table(report)
     starts = ", ".join(f"{METHOD_LABELS.get(r['method'], r['method'])} {r['startup_s']:.0f} s"
                        for r in report["methods"] if r.get("startup_s") is not None)
@@ -240,6 +241,23 @@ def _step_timing_table(report: dict[str, Any]) -> list[str]:
                 "the same scenario (at the batch each method had: a method that ends its requests sooner runs "
                 "smaller batches).", ""] \
         + _table(STEP_HEAD, rows)
+
+
+def _gap_table(report: dict[str, Any]) -> list[str]:
+    """Where each method's decode steps stand against NGRAM's, and what host parity would give
+    (:func:`glance_sgl.sglang.step_timing.gap_table`). Nothing without step timings and NGRAM."""
+    sys.path.insert(0, str(ROOT))
+    from glance_sgl.sglang.step_timing import GAP_HEAD, gap_table
+
+    rows = gap_table([r for r in report["methods"] if not r.get("error")], lambda m: METHOD_LABELS.get(m, m))
+    if not rows:
+        return []
+    return ["", "Decode steps against NGRAM's, from the table above: `decode rate over NGRAM's` is tokens per ms of "
+                "decode steps (tau x requests per step / ms per step) over NGRAM's; `at NGRAM's host time` the same "
+                "with the method's own target forward but NGRAM's time outside the forward per step (`other` above: "
+                "for NGRAM its lookup, verify input, walk, KV move and corpus update; for GLANCE also the drafter's "
+                "passes): where it reaches 1, the host work per step is the whole gap; where it stays below, the "
+                "rows verified are too (the forward).", ""] + _table(GAP_HEAD, rows)
 
 
 def _host_ms_table(report: dict[str, Any]) -> list[str]:

@@ -90,7 +90,7 @@ from typing import Any, Callable
 
 from ..metrics import add_ms, ms_per_step
 from .plugin import STEP_PARTS_KEY
-from .step_timing import STEP_HEAD, STEP_TIMING_KEY, step_table
+from .step_timing import GAP_HEAD, STEP_HEAD, STEP_TIMING_KEY, gap_table, step_table
 from .runner import EngineProcess, cpu_engine_kwargs, demo_requests, export_package, wild_requests
 
 METHODS = ("none", "ngram", "dflash", "glance", "glance-fixed", "glance-off", "glance+ngram", "glance-ngram",
@@ -571,6 +571,14 @@ def run_spread(rows: list[dict[str, Any]], reference: str = "ngram",
 SPREAD_HEAD = ["scenario", "method", "over NGRAM, pooled", "each engine run", "range"]
 
 
+def _aligned(head: list[str], rows: list[list[str]]) -> list[str]:
+    """``head`` and ``rows`` as console lines: the first two columns (scenario, method) left-aligned, the numbers
+    right-aligned, each column as wide as its widest cell."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    return ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in [head] + rows]
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     ok = [r for r in rows if not r.get("error")]
     base = next((r for r in ok if r["method"] == "none"), None)
@@ -599,10 +607,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                   for row in [SPREAD_HEAD] + spread]
     steps = step_table(ok)
     if steps:
-        widths = [max(len(h), *(len(row[i]) for row in steps)) for i, h in enumerate(STEP_HEAD)]
         lines.append("decode steps side by side (the scheduler's run_batch, per scenario; --step-stats):")
-        for row in [STEP_HEAD] + steps:
-            lines.append("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines += _aligned(STEP_HEAD, steps)
+    gaps = gap_table(ok)
+    if gaps:
+        lines.append("decode steps against NGRAM's: tokens per ms, and with NGRAM's time outside the forward:")
+        lines += _aligned(GAP_HEAD, gaps)
     for r in rows:  # per scenario where the engine reported its step parts, else its log's whole-life line
         per = [(f"{r['method']} {name}", s["host_ms_per_step"]) for name, s in r["scenarios"].items()
                if s.get("host_ms_per_step")] or [(r["method"], r.get("host_ms_per_step") or {})]

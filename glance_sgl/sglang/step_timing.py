@@ -137,9 +137,56 @@ def step_table(methods: list[dict[str, Any]], label: Any = str) -> list[list[str
     return out
 
 
+GAP_HEAD = ["scenario", "method", "decode rate over NGRAM's", "at NGRAM's host time", "host ms / step",
+            "NGRAM's host ms / step"]
+
+
+def _decode_rate(scenario: dict[str, Any], outside_ms: float | None = None) -> tuple[float, float, float] | None:
+    """(tokens per ms of decode steps: tau x requests per step / ms per step, the target forward's ms per step, the
+    rest's ms per step) of a scenario row with ``tau`` and ``step_timing``; ``outside_ms``: the rate with that rest
+    in place of its own. None without them."""
+    d = (scenario.get("step_timing") or {}).get("decode") or {}
+    n, tau = d.get("steps"), scenario.get("tau")
+    if not n or not tau or not d.get("requests"):
+        return None
+    fwd, ms = d["forward_ms"] / n, d["step_ms"] / n
+    rest = ms - fwd
+    return tau * d["requests"] / n / (fwd + (rest if outside_ms is None else outside_ms)), fwd, rest
+
+
+def gap_table(methods: list[dict[str, Any]], label: Any = str, reference: str = "ngram") -> list[list[str]]:
+    """Rows of :data:`GAP_HEAD`: where each method's decode steps stand against ``reference``'s (SGLang's NGRAM),
+    per scenario: the tokens per ms of its decode steps (tau x requests per step / ms per step) over the
+    reference's; the same with its own target forward but the reference's time outside the forward per step (its
+    lookups, verify input, walk, KV move and bookkeeping; a drafter's passes), i.e. what host parity would give;
+    and both times outside the forward. The reference, no speculation, a method that never drafted in the
+    scenario (tau 1) and rows without ``tau`` or step timing give none."""
+    ref = next((m for m in methods if m["method"] == reference), None)
+    if ref is None:
+        return []
+    out = []
+    for name, ref_sc in ref["scenarios"].items():
+        base = _decode_rate(ref_sc)
+        if base is None:
+            continue
+        first = True
+        for m in methods:
+            if m["method"] in (reference, "none") or m.get("error"):
+                continue
+            sc = m["scenarios"].get(name) or {}
+            own = _decode_rate(sc)
+            if own is None or sc["tau"] <= 1.0:  # never drafted here: plain decode steps, nothing to compare
+                continue
+            parity = _decode_rate(sc, outside_ms=base[2])
+            out.append([name if first else "", label(m["method"]), _fmt(own[0] / base[0]), _fmt(parity[0] / base[0]),
+                        _fmt(own[2]), _fmt(base[2])])
+            first = False
+    return out
+
+
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-__all__ = ["STEP_HEAD", "STEP_TIMING_KEY", "batch_kind", "register_step_timing", "step_table",
-           "step_timing"]
+__all__ = ["GAP_HEAD", "STEP_HEAD", "STEP_TIMING_KEY", "batch_kind", "gap_table", "register_step_timing",
+           "step_table", "step_timing"]

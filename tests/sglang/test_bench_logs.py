@@ -92,6 +92,36 @@ def test_the_step_table_puts_every_method_s_decode_step_beside_no_speculation_s(
     assert step_table([{"method": "none", "scenarios": {"demo c=1": {}}}]) == []
 
 
+
+def test_the_gap_table_says_what_host_parity_with_ngram_would_give():
+    """Per scenario and method: tokens per ms of decode steps over NGRAM's, the same with NGRAM's time outside the
+    forward per step in place of the method's own, and both times; NGRAM itself, no speculation, a method that
+    never drafted there (tau 1), a failed method and a scenario without NGRAM's timing give no row; the console
+    table prints it."""
+    from glance_sgl.sglang.step_timing import GAP_HEAD, gap_table
+
+    def sc(tau, steps, reqs, ms, fwd):
+        return {"tau": tau, "tokens_per_s": 1.0, "outputs": [],
+                "step_timing": {"decode": {"steps": steps, "requests": reqs, "rows": 8 * reqs, "step_ms": ms,
+                                           "forward_ms": fwd}}}
+
+    rows = [{"method": "none", "scenarios": {"demo c=16": sc(1.0, 100, 1600, 1000.0, 990.0)}},
+            # NGRAM: 16 requests a step, tau 5, 20 ms a step (16 forward + 4 outside): 4 tokens per ms
+            {"method": "ngram", "scenarios": {"demo c=16": sc(5.0, 10, 160, 200.0, 160.0),
+                                              "wild c=1": {"tau": 2.0, "tokens_per_s": 1.0, "outputs": []}}},
+            # GLANCE: tau 6, 24 ms a step (18 + 6): 4 tokens per ms; with 4 ms outside, 96 / 22
+            {"method": "glance", "scenarios": {"demo c=16": sc(6.0, 10, 160, 240.0, 180.0),
+                                               "wild c=1": sc(2.0, 10, 10, 80.0, 60.0)}},
+            {"method": "glance-off", "scenarios": {"demo c=16": sc(1.0, 10, 160, 130.0, 120.0)}},
+            {"method": "dflash", "error": "boom", "scenarios": {}}]
+    table = gap_table(rows, str.upper)
+    assert len(GAP_HEAD) == len(table[0])
+    assert table == [["demo c=16", "GLANCE", "1.00", f"{96 / 22 / 4:.2f}", "6.00", "4.00"]]
+    assert gap_table([r for r in rows if r["method"] != "ngram"]) == []
+    printed = bench.format_table([{**r, "scenarios": {k: {**v, "outputs": []} for k, v in r["scenarios"].items()}}
+                                  for r in rows if not r.get("error")])
+    assert "with NGRAM's time outside the forward" in printed and "1.09" in printed
+
 def test_the_spread_table_gives_each_engine_run_s_ratio_over_ngram_beside_the_pooled_one():
     """With several engine runs each scenario keeps every run's rate; the spread table puts each method's rate over
     NGRAM's, pooled and run by run, with the runs' range; NGRAM itself, a failed method, a scenario without per-run
