@@ -839,11 +839,14 @@ class Planner:
             n = min(self.fixed_nodes, limit)
         else:
             drafts = bs if mask is None else sum(mask)
-            draft = (self.costs.draft_ms(drafts) if drafter_ran else 0.0) + self.costs.overhead_ms
+            draft = self.costs.draft_ms(drafts) if drafter_ran else 0.0
             sizes = list(range(limit + 1)) if not self.row_menu else \
                 sorted({min(w - 1, limit) for w in self.row_menu if w >= 1})
             verify = self.costs.verify_ms_many([n + 1 for n in sizes], bs)
-            rates = [per_n[n] / (draft + v) for n, v in zip(sizes, verify)]
+            # a tree's host work (mask, walk, keep: ``overhead_ms``) comes on top of its pass; the root alone is an
+            # AR step, whose host work the one-row point of the curve holds already (``CostModel.observe_ar``)
+            rates = [per_n[n] / (draft + v + (self.costs.overhead_ms if n > 0 else 0.0))
+                     for n, v in zip(sizes, verify)]
             # the smallest tree within ``size_margin`` of the best rate
             best = max(rates)
             n = next(size for size, rate in zip(sizes, rates) if rate >= best / self.size_margin)

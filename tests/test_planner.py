@@ -163,6 +163,24 @@ def test_choose_weighs_expected_tokens_against_cost():
         Planner(linear_costs(), max_nodes=4, max_depth=3, mode="sometimes")
 
 
+
+def test_choose_charges_the_tree_host_work_to_trees_only():
+    """A tree costs its pass and the round's host work (``overhead_ms``); the root alone is an AR step, whose host
+    work the curve's one-row point holds (``observe_ar``): weak matches (0.3 expected drafts for one more row) do
+    not pay for a tree's host work, strong ones do."""
+    from glance_sgl.tree import SOURCE_NGRAM, SOURCE_NONE
+
+    costs = CostModel([1, 2, 4, 8], [1.0, 1.1, 1.3, 1.7], [1], [0.5], overhead_ms=0.5)
+    planner = Planner(costs, max_nodes=3, max_depth=3)
+    tags = torch.tensor([[SOURCE_NONE] + [SOURCE_NGRAM] * 3])
+    depths = torch.tensor([[0, 1, 2, 3]])
+    weak = torch.tensor([[0.0, math.log(0.3), math.log(0.05), math.log(0.01)]])
+    # 1.3 tokens for 1.1 + 0.5 ms against 1 token for 1.0 ms: the root alone (charging the AR step the host work
+    # as well, 1 / 1.5, the tree looked better)
+    assert planner.choose(["a"], weak, depths, tags, drafter_ran=False).nodes == 0
+    strong = torch.tensor([[0.0, math.log(0.95), math.log(0.9), math.log(0.85)]])
+    assert planner.choose(["a"], strong, depths, tags, drafter_ran=False).nodes == 3
+
 def test_choose_picks_from_the_row_menu_of_captured_graphs():
     """With CUDA graphs at a few widths, the planner weighs only the trees those widths run (row counts include
     the root), and the best of them: what the unrestricted planner picks, rounded to a width near it."""
