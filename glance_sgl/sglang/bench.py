@@ -603,8 +603,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     spread = run_spread(ok)
     if spread:
         lines.append("output tok/s over NGRAM's, pooled and in each engine run (--engine-runs):")
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, (11, 13, 18, 24, 10))).rstrip()
-                  for row in [SPREAD_HEAD] + spread]
+        lines += _aligned(SPREAD_HEAD, spread)
     steps = step_table(ok)
     if steps:
         lines.append("decode steps side by side (the scheduler's run_batch, per scenario; --step-stats):")

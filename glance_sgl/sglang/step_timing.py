@@ -141,17 +141,17 @@ GAP_HEAD = ["scenario", "method", "decode rate over NGRAM's", "at NGRAM's host t
             "NGRAM's host ms / step"]
 
 
-def _decode_rate(scenario: dict[str, Any], outside_ms: float | None = None) -> tuple[float, float, float] | None:
-    """(tokens per ms of decode steps: tau x requests per step / ms per step, the target forward's ms per step, the
-    rest's ms per step) of a scenario row with ``tau`` and ``step_timing``; ``outside_ms``: the rate with that rest
-    in place of its own. None without them."""
+def _decode_rate(scenario: dict[str, Any], outside_ms: float | None = None) -> tuple[float, float] | None:
+    """(tokens per ms of decode steps: tau x requests per step / ms per step, the ms per step outside the target
+    forward) of a scenario row with ``tau`` and ``step_timing``; ``outside_ms``: the rate with that in place of its
+    own. None without them."""
     d = (scenario.get("step_timing") or {}).get("decode") or {}
     n, tau = d.get("steps"), scenario.get("tau")
     if not n or not tau or not d.get("requests"):
         return None
     fwd, ms = d["forward_ms"] / n, d["step_ms"] / n
     rest = ms - fwd
-    return tau * d["requests"] / n / (fwd + (rest if outside_ms is None else outside_ms)), fwd, rest
+    return tau * d["requests"] / n / (fwd + (rest if outside_ms is None else outside_ms)), rest
 
 
 def gap_table(methods: list[dict[str, Any]], label: Any = str, reference: str = "ngram") -> list[list[str]]:
@@ -177,9 +177,9 @@ def gap_table(methods: list[dict[str, Any]], label: Any = str, reference: str = 
             own = _decode_rate(sc)
             if own is None or sc["tau"] <= 1.0:  # never drafted here: plain decode steps, nothing to compare
                 continue
-            parity = _decode_rate(sc, outside_ms=base[2])
+            parity = _decode_rate(sc, outside_ms=base[1])
             out.append([name if first else "", label(m["method"]), _fmt(own[0] / base[0]), _fmt(parity[0] / base[0]),
-                        _fmt(own[2]), _fmt(base[2])])
+                        _fmt(own[1]), _fmt(base[1])])
             first = False
     return out
 
