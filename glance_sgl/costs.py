@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 ONLINE_RATE = 0.05  # weight of one timing observation in the cost model's overall scale
@@ -45,6 +46,17 @@ def _interp_many(xs: Sequence[float], ys: Sequence[float], points: Sequence[floa
             i += 1
         out.append(_on_segment(xs, ys, i, x))
     return out
+
+
+def _interp_array(xs: Sequence[float], ys: Sequence[float], x: np.ndarray) -> np.ndarray:
+    """:func:`_interp` at every point of ``x`` (float64 array), in array ops."""
+    x = np.asarray(x, dtype=np.float64)
+    if len(xs) == 1:
+        return ys[0] * np.maximum(x, 1.0) / max(xs[0], 1.0)
+    fx, fy = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    i = np.clip(np.searchsorted(fx, x, side="left"), 1, len(fx) - 1)
+    x0, x1, y0, y1 = fx[i - 1], fx[i], fy[i - 1], fy[i]
+    return np.maximum(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
 def _on_segment(xs: Sequence[float], ys: Sequence[float], i: int, x: float) -> float:
@@ -81,6 +93,12 @@ class CostModel:
         (ascending rows: one walk along the curve instead of a search per point)."""
         return [ms * self.scale for ms in _interp_many(self.verify_rows, self.verify_ms_at,
                                                         [float(r * batch) for r in rows])]
+
+    def verify_ms_totals(self, totals: np.ndarray, batch: int = 1) -> np.ndarray:
+        """:meth:`verify_ms` of passes over ``totals`` rows in all (float64 array, any order) for ``batch``
+        requests that each verify their own number of rows: the costs of the row allocations
+        :meth:`Planner.choose` weighs for a ragged pass (this curve is by total rows already)."""
+        return _interp_array(self.verify_rows, self.verify_ms_at, totals) * self.scale
 
     def draft_ms(self, batch: int = 1) -> float:
         return _interp(self.draft_batch, self.draft_ms_at, float(batch)) * self.scale

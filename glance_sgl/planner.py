@@ -35,6 +35,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Sequence
 
+import numpy as np
 import torch
 
 from .costs import CostModel
@@ -401,6 +402,13 @@ class Plan:
     keeps_leads: bool = True
     # a drafting round: the requests the drafter drafted for (``Planner.draft_mask``); None: every one
     drafted_mask: list[bool] | None = None
+    # rows per request to verify, root included, where the engine verifies each request's own number of rows in
+    # one pass (``Planner.ragged``: each <= nodes + 1); None: nodes + 1 for every request
+    rows: list[int] | None = None
+
+    def total_rows(self, bs: int) -> int:
+        """Rows the target pass verifies for the batch of ``bs`` requests (before any rounding up to a width)."""
+        return sum(self.rows) if self.rows is not None else bs * (self.nodes + 1)
 
     def drafted_for(self, bs: int) -> list[bool]:
         """Per request of the batch (``bs``), whether the drafter drafted for it this round."""
@@ -415,7 +423,8 @@ class RoundReport:
 
     ``rids``: the batch's requests; ``plan``: what the planner picked (``skip``'s plan for a round without
     drafting); ``rows``: rows per request the target pass verified (1 = an AR step; may exceed ``plan.nodes + 1``
-    where the engine rounds up to a captured width); ``accepted``: accepted drafted nodes per request (bonus
+    where the engine rounds up to a captured width; the mean where each request verified its own number,
+    ``Plan.rows``); ``accepted``: accepted drafted nodes per request (bonus
     excluded); ``tree`` / ``walk``: the verified ``DraftTree`` and its ``WalkResult`` (the per-depth calibration;
     None skips it); ``lead_entropies``: [bs] the entropy (nats) of the target's distribution at the row that
     produced each request's bonus token (the next lead entropies; None: not computed, where no gate would read
@@ -432,7 +441,7 @@ class RoundReport:
 
     rids: Sequence[Hashable]
     plan: "Plan"
-    rows: int
+    rows: float
     accepted: Sequence[int]
     tree: object = None
     walk: object = None
@@ -475,6 +484,9 @@ class Planner:
     # 3.26; geomean decode speedup 2.67x vs 2.79x, one interleaved run, 20 prompts per task)
     size_margin: float = 1.0
     row_menu: list[int] | None = None
+    # the engine verifies each request's own number of rows in one pass (SGLang's CPU backend): ``choose`` then
+    # gives every request of a batch its own rows (``Plan.rows``) instead of one size for all
+    ragged: bool = False
     depth: DepthCalibration = field(init=False)
     gains: list[EntropyTable] = field(init=False)  # the drafter's gain by lead entropy, one per RIVAL_EDGES bin
     requests: dict[object, RequestPlanState] = field(default_factory=dict)
@@ -751,7 +763,7 @@ class Planner:
         last = max((st.last_nodes for st in states), default=-1)
         ref = self.fixed_nodes if last <= 0 else min(last, self.fixed_nodes)
         if tree_round:
-            rate = sum(other) / (self.costs.verify_ms(alternative.nodes + 1, bs) + self.costs.overhead_ms)
+            rate = sum(other) / (self.plan_verify_ms(alternative, bs) + self.costs.overhead_ms)
         else:
             rate = bs / self.costs.ar_ms(bs)
         return other, self.costs.round_ms(ref, bs), rate
@@ -834,6 +846,13 @@ class Planner:
             curve_host = [[1.0 + x * q for x in row] for row, q in zip(raw_host, ratios)]
         else:
             curve_host = [[1.0 + x for x in row] for row in raw_host]
+        if self.mode != "fixed" and self.ragged and bs > 1:
+            draft = self.costs.draft_ms(bs if mask is None else sum(mask)) if drafter_ran else 0.0
+            counts = self._ragged_nodes(curve_host, draft)
+            self._note_nodes(rids, drafter_ran, mask, counts)
+            return Plan(max(counts), [row[c] for row, c in zip(curve_host, counts)], drafted=drafter_ran,
+                        raw_accept=[row[c] for row, c in zip(raw_host, counts)], drafted_mask=mask,
+                        rows=[c + 1 for c in counts])
         per_n = [sum(col) for col in zip(*curve_host)]  # [limit + 1]: the batch's expected tokens for budget n
         if self.mode == "fixed":
             n = min(self.fixed_nodes, limit)
@@ -854,19 +873,48 @@ class Planner:
         return Plan(n, [row[n] for row in curve_host], drafted=drafter_ran, raw_accept=[row[n] for row in raw_host],
                     drafted_mask=mask)
 
+    def plan_verify_ms(self, plan: Plan, bs: int) -> float:
+        """The target pass of ``plan``'s tree over ``bs`` requests (``CostModel.verify_ms``): ``nodes + 1`` rows
+        each, or each request's own rows (``Plan.rows``)."""
+        if plan.rows is None:
+            return self.costs.verify_ms(plan.nodes + 1, bs)
+        return float(self.costs.verify_ms_totals(np.array([float(plan.total_rows(bs))]), bs)[0])
+
+    def _ragged_nodes(self, curves: list[list[float]], draft_ms: float) -> list[int]:
+        """Nodes per request where every request verifies its own number of rows (:attr:`ragged`): the allocation
+        of the batch's rows with the best expected tokens per ms, the pass priced by its total rows.
+
+        ``curves`` [bs][limit + 1]: each request's expected tokens (bonus included) with its best ``n`` nodes;
+        ``draft_ms``: the round's drafter pass (0 without it). Each request's marginal tokens per node are taken
+        non-increasing along its tree (a running minimum), so that ranking every request's nodes by them takes
+        each request's best-first prefix; the batch verifies the first ``t`` nodes of that ranking, for the
+        smallest ``t`` within ``size_margin`` of the best rate (``t = 0``: an AR step, whose host work the curve's
+        one-row point holds; a tree adds ``overhead_ms``)."""
+        c = np.asarray(curves, dtype=np.float64)  # [bs, limit + 1]
+        bs, limit = c.shape[0], c.shape[1] - 1
+        gains = np.diff(c, axis=1)  # [bs, limit]
+        order = np.argsort(-np.minimum.accumulate(gains, axis=1).ravel(), kind="stable")  # ties: shallower first
+        tokens = c[:, 0].sum() + np.concatenate(([0.0], np.cumsum(gains.ravel()[order])))
+        ms = draft_ms + self.costs.verify_ms_totals(bs + np.arange(order.size + 1, dtype=np.float64), bs)
+        ms[1:] += self.costs.overhead_ms
+        rates = tokens / ms
+        t = int(np.argmax(rates >= rates.max() / self.size_margin))
+        return np.bincount(order[:t] // limit, minlength=bs).tolist() if t else [0] * bs
+
     @staticmethod
     def _subset(drafter_ran: bool, drafted: Sequence[bool] | None) -> list[bool] | None:
         """:meth:`choose`'s ``drafted`` as ``Plan.drafted_mask``: None where the drafter did not run or drafted for
         every request."""
         return None if not drafter_ran or drafted is None or all(drafted) else list(drafted)
 
-    def _note_nodes(self, rids: Sequence[object], drafter_ran: bool, mask: list[bool] | None, n: int) -> None:
-        """The tree size a drafting round chose, in the record of each request it drafted for (``mask``; None:
-        all)."""
+    def _note_nodes(self, rids: Sequence[object], drafter_ran: bool, mask: list[bool] | None,
+                    n: int | Sequence[int]) -> None:
+        """The tree size a drafting round chose (one for the batch, or one per request), in the record of each
+        request it drafted for (``mask``; None: all)."""
         if drafter_ran:
             for b, r in enumerate(rids):
                 if mask is None or mask[b]:
-                    self.state(r).last_nodes = n
+                    self.state(r).last_nodes = n if isinstance(n, int) else n[b]
 
     # ------------------------------------------------------------ step 3: feedback
     def report(self, report: RoundReport) -> None:
@@ -937,11 +985,11 @@ class Planner:
                                None if tags is None else tags == SOURCE_DRAFTER)
         bs = report.batch
         mask = plan.drafted_for(bs)
-        round_ms = self.costs.round_ms(plan.nodes, bs, sum(mask))
+        round_ms = self.costs.draft_ms(sum(mask)) + self.plan_verify_ms(plan, bs) + self.costs.overhead_ms
         # the round drafting had to beat: the other sources' round, or an AR step
         rival = report.alternative if report.alternative is not None and report.alone is not None else None
         rival_ms = self.costs.ar_ms(bs) if rival is None else \
-            self.costs.verify_ms(rival.nodes + 1, bs) + self.costs.overhead_ms
+            self.plan_verify_ms(rival, bs) + self.costs.overhead_ms
         alone = [0] * bs if rival is None else report.alone
         rival_tokens = [1.0] * bs if rival is None else rival.expected_tokens
         raw = plan.raw_accept or [0.0] * bs
@@ -1068,7 +1116,9 @@ class AlwaysDraft:
 
 class RandomPlanner(Planner):
     """A test policy: each batch drafts with probability 2/3 (for each of its requests with probability 3/4, at
-    least one) and then verifies a random number of nodes (0 .. max), otherwise runs a plain AR step; seeded.
+    least one) and then verifies a random number of nodes (0 .. max; where the engine verifies ragged rows,
+    ``ragged``, half the batches of several requests give each request its own random number), otherwise runs a
+    plain AR step; seeded.
     Lossless must hold whatever a planner picks, since every prefix of a best-first tree (the root alone included)
     is a valid tree. Requests retire at random, at birth (:meth:`admit`) or later (:meth:`draft_mask`). Feedback and
     costs are recorded as usual."""
@@ -1113,10 +1163,18 @@ class RandomPlanner(Planner):
     def choose(self, rids, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
                drafter_ran: bool = True, drafted: Sequence[bool] | None = None) -> Plan:
         limit = min(scores.shape[1] - 1, self.max_nodes)
+        mask = self._subset(drafter_ran, drafted)
+        if self.ragged and len(rids) > 1 and self.rng.random() < 1 / 2:  # every request its own random size
+            counts = [self.rng.randint(0, limit) for _ in rids]
+            tags = None if sources is None else sources[:, : limit + 1]
+            raw_all = self.expected_accept(scores[:, : limit + 1], depths[:, : limit + 1], tags).tolist()
+            raw_host = [float(row[c]) for row, c in zip(raw_all, counts)]
+            self._note_nodes(rids, drafter_ran, mask, counts)
+            return Plan(max(counts), [1.0 + a for a in raw_host], drafted=drafter_ran, raw_accept=raw_host,
+                        drafted_mask=mask, rows=[c + 1 for c in counts])
         n = self.rng.randint(0, limit)
         tags = None if sources is None else sources[:, : n + 1]
         raw = self.expected_accept(scores[:, : n + 1], depths[:, : n + 1], tags)[:, n]
-        mask = self._subset(drafter_ran, drafted)
         self._note_nodes(rids, drafter_ran, mask, n)
         raw_host = raw.tolist()  # as Planner.choose's: lists of the host copy's numbers
         return Plan(n, [1.0 + float(a) for a in raw_host], drafted=drafter_ran, raw_accept=raw_host,

@@ -125,9 +125,12 @@ class PassOutput:
 class TargetRows(Protocol):
     """The engine's target pass, bound to one round's requests."""
 
-    def forward(self, tree: DraftTree, taps: bool = True) -> PassOutput:
+    def forward(self, tree: DraftTree, taps: bool = True, rows: Sequence[int] | None = None) -> PassOutput:
         """One pass over every request's packed tree [bs, R] (R = 1: a plain AR step), K/V written after each
-        prefix; ``taps``: whether the drafter's context needs the pass's tap features (False: they may be None)."""
+        prefix; ``taps``: whether the drafter's context needs the pass's tap features (False: they may be None);
+        ``rows``: where the planner gave each request its own number of rows (``Plan.rows``; asked only of an
+        engine whose policy is ``ragged``), the first ``rows[b]`` rows of request ``b`` alone are verified (its
+        later rows are unreachable, ``DraftTree.truncated``; their logits and taps may be anything)."""
 
     def keep(self, tree: DraftTree, walk: WalkResult) -> None:
         """Keep the K/V of each request's root and accepted rows (``walk.accepted_rows``), in order."""
@@ -218,6 +221,23 @@ class RoundResult:
     def drafted(self) -> bool:
         """Whether the drafter ran (other sources may have proposed without it)."""
         return self.plan.drafted
+
+
+def ragged_rows(plan: Plan, width: int) -> list[int] | None:
+    """Rows per request the pass verifies where the planner sized each request's tree (``Plan.rows``, capped at
+    the tree's ``width``); None where every request verifies all ``width`` rows (one size for the batch)."""
+    if plan.rows is None:
+        return None
+    rows = [min(r, width) for r in plan.rows]
+    return None if min(rows) >= width else rows
+
+
+def alternative_tree(candidates: DraftTree, plan: Plan) -> DraftTree:
+    """The tree the round of ``plan`` would verify from ``candidates`` (its best-first prefix; each request's own
+    where the planner sized them one by one)."""
+    tree = candidates.prefix(plan.nodes + 1)
+    rows = ragged_rows(plan, tree.num_rows)
+    return tree if rows is None else tree.truncated(rows)
 
 
 def root_tree(roots: torch.Tensor) -> DraftTree:
@@ -378,15 +398,19 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
         candidates, plan = ((None, skipped) if verify_plan is None else
                             (fallback, dataclasses.replace(verify_plan, keeps_leads=keeps_leads)))
         planned = candidates
-    # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs (the root alone: an AR step)
+    # 4. the verify tree: a best-first prefix, rounded up to a width the pass runs (the root alone: an AR step),
+    #    or each request's own best-first prefix where the planner sized them one by one
     t_draft = time.perf_counter()
     active = candidates is not None
     width = target.agree(target.width(plan.nodes + 1)) if active else 1
     tree = candidates.prefix(width).to(batch.roots.device) if active else root_tree(batch.roots)
+    rows_each = ragged_rows(plan, tree.num_rows) if active else None
+    if rows_each is not None:
+        tree = tree.truncated(rows_each)
     t2 = time.perf_counter()
     # 5. one target pass over every request's tree, capturing the tap features where the drafter's context is kept
     feeds = drafting or keep
-    out = target.forward(tree, taps=feeds)
+    out = target.forward(tree, taps=feeds) if rows_each is None else target.forward(tree, taps=feeds, rows=rows_each)
     t3 = time.perf_counter()
     # 6. the walk: the target's own choices (greedy, or seeded sampling), lossless whatever the tree
     walk = verify_tree(tree.tokens, tree.parents, tree.depths, out.logits, batch.next_index, list(batch.specs),
@@ -418,7 +442,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
             # tokens)
             rival = drafting and alternative is not None and alternative.nodes > 0
             ta = time.perf_counter()
-            alone = accepted_alone(fallback.prefix(alternative.nodes + 1), host_walk.committed_tokens).tolist() \
+            alone = accepted_alone(alternative_tree(fallback, alternative), host_walk.committed_tokens).tolist() \
                 if rival else None
             lookup_s = cheap_s + (time.perf_counter() - ta if rival else 0.0)
             accepted = host_walk.accept_lens.tolist()
@@ -431,8 +455,12 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
                 host_ms = 1000.0 * ((t2 - t1) + (launched - t3) + (t4 - ts))
             else:
                 host_ms = max(1000.0 * ((t2 - t1) + (t4 - t2)) - pass_ms, 0.0)
-            report = RoundReport(batch.rids, plan, tree.num_rows, accepted,
-                                 planned.prefix(width) if active else None, host_walk if active else None,
+            verified = planned.prefix(width) if active else None
+            if rows_each is not None:  # the pass's own tree where it is this one (on the host: made once)
+                same = planned is candidates and tree.tokens.device == planned.tokens.device
+                verified = tree if same else verified.truncated(rows_each)
+            report = RoundReport(batch.rids, plan, tree.num_rows if rows_each is None else sum(rows_each) / n,
+                                 accepted, verified, host_walk if active else None,
                                  None if lead is None else lead.tolist(), drafter_ms=1000.0 * (t1 - t0),
                                  pass_ms=pass_ms, host_ms=host_ms, alternative=alternative if rival else None,
                                  alone=alone, cheap_ms=1000.0 * lookup_s / looked if looked else None)
@@ -499,5 +527,6 @@ def calibrate_round(target: TargetRows, sources: Sequence[CandidateSource], batc
 
 __all__ = ["DRAFT_SOURCES", "PHASES", "DEFAULT_DRAFT_SOURCES", "check_draft_sources",
            "RoundBatch", "PassOutput", "TargetRows", "CandidateSource", "RoundPolicy", "RoundResult",
-           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose",
+           "speculative_round", "calibrate_round", "root_tree", "chain_of", "lead_rows", "propose", "ragged_rows",
+           "alternative_tree",
            "one_tree", "only_requests", "agree_mask"]

@@ -81,6 +81,20 @@ class DraftTree:
         return DraftTree(self.tokens[:, :rows], self.parents[:, :rows], self.depths[:, :rows], self.scores[:, :rows],
                          sources)
 
+    def truncated(self, rows: Sequence[int]) -> "DraftTree":
+        """Each request's first ``rows[b]`` rows (root included, ``rows[b] >= 1``) as they are and its later rows
+        detached: no parent (-1: no walk or traversal from the root reaches them), depth 0, token -1 (no target
+        choice equals it), score -inf, untagged. A pass verifying ``rows[b]`` rows per request leaves them out; the
+        tree itself where every request keeps all its rows."""
+        n = self.num_rows
+        if min(rows) >= n:
+            return self
+        dev = self.tokens.device
+        cut = torch.arange(n, device=dev)[None, :] >= torch.tensor(list(rows), device=dev)[:, None]
+        sources = None if self.sources is None else self.sources.masked_fill(cut, SOURCE_NONE)
+        return DraftTree(self.tokens.masked_fill(cut, -1), self.parents.masked_fill(cut, -1),
+                         self.depths.masked_fill(cut, 0), self.scores.masked_fill(cut, float("-inf")), sources)
+
     def to(self, device: torch.device | str) -> "DraftTree":
         """The tree on ``device`` (itself where it is there already)."""
         if self.tokens.device == torch.device(device):

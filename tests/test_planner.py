@@ -181,6 +181,56 @@ def test_choose_charges_the_tree_host_work_to_trees_only():
     strong = torch.tensor([[0.0, math.log(0.95), math.log(0.9), math.log(0.85)]])
     assert planner.choose(["a"], strong, depths, tags, drafter_ran=False).nodes == 3
 
+def test_ragged_choice_gives_each_request_its_own_rows_and_beats_one_size_for_all():
+    """Where the engine verifies each request's own number of rows (``Planner.ragged``), a batch of a long sure
+    chain, a middling match and a weak one verifies the chain deep and the weak one not at all (the root alone),
+    each a best-first prefix of its tree, at a better expected rate than the best one size for all (priced by the
+    same curve of total rows). One request alone: one size, as without it."""
+    from glance_sgl.tree import SOURCE_NGRAM, SOURCE_NONE
+
+    costs = CostModel([1, 8, 64], [2.0, 2.4, 8.0], [1], [0.5], overhead_ms=0.1)
+    tags = torch.tensor([[SOURCE_NONE] + [SOURCE_NGRAM] * 7] * 3)
+    depths = torch.tensor([list(range(8))] * 3)
+    sure = [math.log(0.97 ** d) for d in range(8)]
+    middling = [0.0] + [math.log(0.7 * 0.5 ** d) for d in range(7)]
+    weak = [0.0] + [math.log(0.04 * 0.5 ** d) for d in range(7)]
+    scores = torch.tensor([sure, middling, weak])
+    ragged = Planner(costs, max_nodes=7, max_depth=7, ragged=True)
+    plan = ragged.choose(["a", "b", "c"], scores, depths, tags, drafter_ran=False)
+    assert plan.rows is not None and plan.rows[0] == 8 and plan.rows[2] == 1 and 1 <= plan.rows[1] < 8
+    assert plan.nodes == max(plan.rows) - 1 and plan.total_rows(3) == sum(plan.rows)
+    uniform = Planner(costs, max_nodes=7, max_depth=7).choose(["a", "b", "c"], scores, depths, tags,
+                                                              drafter_ran=False)
+    assert uniform.rows is None
+
+    def rate(p):
+        total = p.total_rows(3)
+        return sum(p.expected_tokens) / (costs.verify_ms(total, 1) + (costs.overhead_ms if total > 3 else 0.0))
+
+    assert rate(plan) > rate(uniform)
+    curves = ragged.expected_accept(scores, depths, tags, drafter_nodes=False)
+    assert plan.expected_tokens == pytest.approx([1.0 + float(curves[b, r - 1]) for b, r in enumerate(plan.rows)])
+    alone = ragged.choose(["a"], scores[:1], depths[:1], tags[:1], drafter_ran=False)
+    assert alone.rows is None and alone.nodes == 7
+
+
+def test_a_ragged_cost_curve_prices_the_mean_rows_of_the_batch():
+    """The SGLang worker's batch-aware curves price a ragged pass of ``T`` rows for ``bs`` requests at ``T / bs``
+    rows each, as a uniform pass of that many rows, with the scheduler's time on top."""
+    from glance_sgl.sglang.planning import BatchCostModel
+    import numpy as np
+
+    costs = BatchCostModel.prior()
+    costs.add_curve(4, [1, 4, 8, 16], [3.0, 3.5, 4.5, 7.0])
+    costs.add_curve(16, [1, 4, 8, 16], [6.0, 8.0, 11.0, 19.0])
+    costs.observe_step(8, 1.5)
+    totals = np.array([8.0, 32.0, 64.0, 128.0])
+    got = costs.verify_ms_totals(totals, 8)
+    assert got == pytest.approx([costs.verify_ms(t / 8, 8) for t in totals])
+    base = linear_costs()
+    assert base.verify_ms_totals(totals, 8) == pytest.approx([base.verify_ms(int(t), 1) for t in totals])
+
+
 def test_choose_picks_from_the_row_menu_of_captured_graphs():
     """With CUDA graphs at a few widths, the planner weighs only the trees those widths run (row counts include
     the root), and the best of them: what the unrestricted planner picks, rounded to a width near it."""

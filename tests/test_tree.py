@@ -632,3 +632,28 @@ def test_the_log_table_follows_every_labelled_batch():
     assert after[1][0] > first[1][0]
     assert after == acc.probs(SOURCE_NGRAM).log().tolist()
     assert acc.log_table(SOURCE_NGRAM, CONTEXT_ON_TRACK) == acc.probs(SOURCE_NGRAM, CONTEXT_ON_TRACK).log().tolist()
+
+
+def test_a_truncated_tree_keeps_each_requests_prefix_and_detaches_the_rest():
+    """``DraftTree.truncated``: request b keeps its first ``rows[b]`` rows; its later rows are detached (no parent,
+    token -1, untagged), so neither walk takes them even where the target's choices would match the tokens they
+    had, and ``accepted_alone`` never counts them."""
+    tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    parents = torch.tensor([[-1, 0, 1, 2], [-1, 0, 1, 2]])
+    depths = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
+    tree = DraftTree(tokens, parents, depths, torch.zeros(2, 4), None)
+    assert tree.truncated([4, 4]) is tree
+    cut = tree.truncated([2, 4])
+    assert cut.tokens.tolist() == [[5, 6, -1, -1], [5, 6, 7, 8]]
+    assert cut.parents.tolist() == [[-1, 0, -1, -1], [-1, 0, 1, 2]]
+    assert cut.sources is None and torch.isinf(cut.scores[0, 2:]).all()
+    choices = torch.tensor([[6, 7, 8, 9], [6, 7, 8, 9]])
+    for device_resident in (False, True):
+        logits = torch.nn.functional.one_hot(choices, 16).float()
+        walk = verify_tree(cut.tokens, cut.parents, cut.depths, logits, torch.zeros(2, dtype=torch.long),
+                           [SamplingSpec()] * 2, device_resident=device_resident)
+        assert walk.accept_lens.tolist() == [1, 3] and walk.bonus.tolist() == [7, 9]
+    tagged = DraftTree(tokens, parents, depths, torch.zeros(2, 4), torch.full((2, 4), SOURCE_NGRAM)).truncated([2, 4])
+    assert tagged.sources[0].tolist() == [SOURCE_NGRAM, SOURCE_NGRAM, SOURCE_NONE, SOURCE_NONE]
+    committed = torch.tensor([[6, 7, 8, 9], [6, 7, 8, 9]])
+    assert accepted_alone(cut, committed).tolist() == [1, 3]

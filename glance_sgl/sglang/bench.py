@@ -253,7 +253,7 @@ def failed_row(method: str, exc: BaseException | str) -> dict[str, Any]:
     return {"method": method, "error": error_line(exc), "error_tail": str(exc)[-3000:], "scenarios": {}}
 
 
-_STEP = re.compile(r"GLANCE step bs=(\d+) .*? target\[(\d+)\]")
+_STEP = re.compile(r"GLANCE step bs=(\d+) .*? target\[([\d.]+)\]")
 _PHASES = re.compile(r"GLANCE host ms per step by kind: (\{[^\n]*\})")
 _HOST_READS = re.compile(r"GLANCE host reads bs=(\d+) rows=(\d+): (\d+) (\{[^\n]*\})?")
 
@@ -315,7 +315,7 @@ def rows_per_step(log: Path) -> float | None:
     """Mean rows verified per request and decode step in a GLANCE engine's profile log (warm-up included)."""
     if not log.is_file():
         return None
-    rows = [int(m.group(2)) for m in _STEP.finditer(log.read_text(errors="replace"))]
+    rows = [float(m.group(2)) for m in _STEP.finditer(log.read_text(errors="replace"))]
     return sum(rows) / len(rows) if rows else None
 
 

@@ -4,7 +4,9 @@ A development and CI mode, loaded only when the device is the CPU:
 
 - ``glance_cpu``: an attention backend (registered through SGLang's attention-backend registry) that subclasses
   ``TorchNativeAttnBackend`` and adds the TARGET_VERIFY pass: per request, SDPA of the ``n`` verify rows over
-  ``req_to_token[r, :L + n]`` with the speculative input's FULL custom mask (``[n, L + n]`` per request).
+  ``req_to_token[r, :L + n]`` with the speculative input's FULL custom mask (``[n, L + n]`` per request), or in a
+  ragged pass each request's own ``n_b`` rows, masked by the trees' ancestor mask (``ragged_rows``,
+  ``ragged_tree_mask`` of ``glance_sgl.sglang.glance_info.GlanceVerifyInput``).
   Select it with ``--attention-backend glance_cpu`` (``--device cpu``).
 - torch versions of the speculative bookkeeping ops that SGLang runs as Triton / ``sgl_kernel`` code
   (``assign_req_to_token_pool``, the cache-location fills, ``verify_tree_greedy``...), and the CPU KV pool's
@@ -246,36 +248,48 @@ def _make_backend_class():
             if save_kv_cache and k is not None and v is not None:
                 self.token_to_kv_pool.set_kv_buffer(
                     layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
-            spec = forward_batch.spec_info
-            n = int(spec.draft_token_num)
             k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
             v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
             hq, d, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
             q_ = q.view(-1, hq, d)
             out = q.new_empty((q_.shape[0], hq * dv))
-            for b, (seg, slots) in enumerate(self._verify_layout(forward_batch, n)):
+            for seg, slots, start, n in self._verify_layout(forward_batch):
                 kk = k_buf[slots].transpose(0, 1)  # [hk, T, d]
                 vv = v_buf[slots].transpose(0, 1)
-                qq = q_[b * n:(b + 1) * n].transpose(0, 1)  # [hq, n, d]
+                qq = q_[start:start + n].transpose(0, 1)  # [hq, n, d]
                 o = torch.nn.functional.scaled_dot_product_attention(
                     qq.unsqueeze(0), kk.unsqueeze(0).to(qq.dtype), vv.unsqueeze(0).to(qq.dtype),
                     attn_mask=seg[None, None], scale=layer.scaling, enable_gqa=hq != kk.shape[0])
-                out[b * n:(b + 1) * n] = o[0].transpose(0, 1).reshape(n, hq * dv)
+                out[start:start + n] = o[0].transpose(0, 1).reshape(n, hq * dv)
             return out
 
-        def _verify_layout(self, forward_batch, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-            """Per request: its mask rows [n, prefix + n] (bool, from the flat FULL mask) and its K/V slots
-            [prefix + n]. The same for every layer of a pass: computed at the first layer, kept on the pass's
-            ``ForwardBatch`` (a new pass has a new one)."""
+        def _verify_layout(self, forward_batch) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+            """Per request: its mask rows [n, prefix + n] (bool), its K/V slots [prefix + n], the offset of its
+            rows in the pass and their number ``n``: the speculative input's ``draft_token_num`` rows each, masked
+            by its flat FULL mask, or a ragged pass's own rows (``ragged_rows``, masked by the trees' ancestor
+            mask ``ragged_tree_mask``, the prefix all visible). The same for every layer of a pass: computed at
+            the first layer, kept on the pass's ``ForwardBatch`` (a new pass has a new one)."""
             spec = forward_batch.spec_info
             layout = getattr(forward_batch, "_glance_cpu_layout", None)
             if layout is None:
                 req_to_token = self.req_to_token_pool.req_to_token
-                mask_flat, off, layout = spec.custom_mask.bool(), 0, []
-                for pre, row in zip(forward_batch.seq_lens.tolist(), forward_batch.req_pool_indices.tolist()):
-                    total = pre + n
-                    layout.append((mask_flat[off: off + n * total].view(n, total), req_to_token[row, :total].long()))
-                    off += n * total
+                prefixes, pool_rows = forward_batch.seq_lens.tolist(), forward_batch.req_pool_indices.tolist()
+                ragged = getattr(spec, "ragged_rows", None)
+                layout, start = [], 0
+                if ragged is None:
+                    n, mask_flat, off = int(spec.draft_token_num), spec.custom_mask.bool(), 0
+                    for pre, row in zip(prefixes, pool_rows):
+                        total = pre + n
+                        layout.append((mask_flat[off: off + n * total].view(n, total),
+                                       req_to_token[row, :total].long(), start, n))
+                        off, start = off + n * total, start + n
+                else:
+                    tree_mask = spec.ragged_tree_mask.bool()
+                    for b, (pre, row, n) in enumerate(zip(prefixes, pool_rows, ragged)):
+                        seg = torch.ones(n, pre + n, dtype=torch.bool, device=tree_mask.device)
+                        seg[:, pre:] = tree_mask[b, :n, :n]
+                        layout.append((seg, req_to_token[row, :pre + n].long(), start, n))
+                        start += n
                 forward_batch._glance_cpu_layout = layout
             return layout
 

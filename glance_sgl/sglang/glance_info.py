@@ -29,10 +29,15 @@ import glance_kernels
 class GlanceVerifyInput(NgramVerifyInput):
     """Verify input of one GLANCE step (also the draft input between steps, like NGRAM's)."""
 
-    def __init__(self, *args, depths: torch.Tensor | None = None, parents: torch.Tensor | None = None, **kwargs):
+    def __init__(self, *args, depths: torch.Tensor | None = None, parents: torch.Tensor | None = None,
+                 ragged_rows: list[int] | None = None, ragged_tree_mask: torch.Tensor | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.depths = depths
         self.parents = parents
+        # a ragged pass (``build_verify_input(rows=...)``): rows verified per request, and the trees' ancestor
+        # mask [bs, N, N] that the ``glance_cpu`` backend masks each request's rows with (no flat FULL mask)
+        self.ragged_rows = ragged_rows
+        self.ragged_tree_mask = ragged_tree_mask
 
 
 @dataclass
@@ -74,9 +79,11 @@ class VerifyTensors:
     """What :func:`build_verify_input` derives from a batch of trees (all on the target's device)."""
 
     spec_info: GlanceVerifyInput
-    input_ids: torch.Tensor  # [bs * N]
-    out_cache_loc: torch.Tensor  # [bs * N]
+    input_ids: torch.Tensor  # [bs * N], or [T] rows of a ragged pass
+    out_cache_loc: torch.Tensor  # the same
     tree_mask: torch.Tensor  # [bs, N, N]
+    rows: torch.Tensor | None = None  # a ragged pass: each verified row's index in the [bs * N] layout, [T]
+    left_out: torch.Tensor | None = None  # ... and the indices of the rows it leaves out, [bs * N - T]
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,34 +95,47 @@ def _verify_constants(bs: int, n: int, device: torch.device) -> tuple[torch.Tens
 
 
 def build_verify_input(tree, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
-                       req_pool_indices: torch.Tensor, req_to_token: torch.Tensor) -> VerifyTensors:
+                       req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                       rows: list[int] | None = None) -> VerifyTensors:
     """The TARGET_VERIFY input for a batch of packed trees (``tree``: a ``DraftTree`` / ``DeviceTree``, [bs, N]).
 
     ``seq_lens`` [bs]: tokens already in the KV cache per request (the root sits at position ``seq_lens[b]``);
     the verify rows write their K/V into ``req_to_token[r, seq_lens[b] : seq_lens[b] + N]``, slots the
-    scheduler has reserved for the step.
+    scheduler has reserved for the step. ``rows``: a ragged pass (the ``glance_cpu`` backend): request ``b``'s
+    first ``rows[b]`` rows alone, ``T = sum(rows)`` of them in request order, masked by the spec's
+    ``ragged_tree_mask`` and ``ragged_rows`` (no flat FULL mask).
     """
     device = seq_lens.device
     bs, n = tree.tokens.shape
     parents = tree.parents.to(device)
     meta = glance_kernels.tree_meta(parents, seq_lens)  # Triton on CUDA, torch reference elsewhere
-    custom_mask = glance_kernels.full_mask(meta.tree_mask, seq_lens, seq_lens_cpu)
-    rows, retrieve_index = _verify_constants(bs, n, device)
-    out_cache_loc = req_to_token[req_pool_indices.long()[:, None], seq_lens.long()[:, None] + rows]
+    offsets, retrieve_index = _verify_constants(bs, n, device)
+    out_cache_loc = req_to_token[req_pool_indices.long()[:, None], seq_lens.long()[:, None] + offsets]
     out_cache_loc = out_cache_loc.reshape(-1).to(torch.int64)
     tokens = tree.tokens.to(device).reshape(-1)
+    positions = meta.positions.reshape(-1).to(torch.int64)
+    kept = left_out = None
+    if rows is None:
+        custom_mask = glance_kernels.full_mask(meta.tree_mask, seq_lens, seq_lens_cpu)
+    else:
+        custom_mask = torch.zeros(0, dtype=torch.bool, device=device)  # none: the backend masks by tree_mask
+        inside = (offsets < torch.tensor(rows, dtype=torch.long, device=device)[:, None]).reshape(-1)
+        kept, left_out = inside.nonzero().squeeze(1), (~inside).nonzero().squeeze(1)
+        tokens, positions, out_cache_loc = tokens[kept], positions[kept], out_cache_loc[kept]
     spec = GlanceVerifyInput(
         draft_token=tokens,
         custom_mask=custom_mask,
-        positions=meta.positions.reshape(-1).to(torch.int64),
+        positions=positions,
         retrieve_index=retrieve_index,
         retrieve_next_token=meta.first_child,
         retrieve_next_sibling=meta.next_sibling,
         draft_token_num=n,
         depths=tree.depths.to(device),
         parents=parents,
+        ragged_rows=None if rows is None else list(rows),
+        ragged_tree_mask=None if rows is None else meta.tree_mask,
     )
-    return VerifyTensors(spec, tokens, out_cache_loc, meta.tree_mask)
+    return VerifyTensors(spec, tokens, out_cache_loc, meta.tree_mask, kept, left_out)
 
 
 def accept_window(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,

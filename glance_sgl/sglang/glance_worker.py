@@ -41,7 +41,7 @@ from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.managers.tp_worker import TpModelWorker
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.runtime_context import get_spec
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
@@ -57,6 +57,7 @@ from glance_sgl.round import (PHASES, PassOutput, RoundBatch, RoundResult, calib
 from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree
 from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
 
+from .cpu import BACKEND_NAME as CPU_BACKEND
 from .draft_graph import DraftPassRunner, draft_pass
 from .draft_pool import PAD_SLOT, DraftKVPool, committed_slots
 from .drafter_model import GlanceDrafterForSGLang
@@ -207,6 +208,12 @@ class GlanceWorker(BaseSpecWorker):
         cached = load_batch_costs(key)
         costs = cached if cached is not None else BatchCostModel.prior(key)
         self.planner = make_planner(self.planner_mode, costs, self.budget, self.max_depth, seed=seed)
+        # a ragged verify pass: every request of a batch its own number of tree rows (the planner sizes each),
+        # where the attention backend takes them (``glance_cpu``), without CUDA graphs (one width each) and on one
+        # rank (the ranks would have to agree on every request's rows)
+        self.ragged = (self.settings.ragged_verify and self.server_args.attention_backend == CPU_BACKEND
+                       and not self.use_graphs and self.tp_size == 1)
+        self.planner.ragged = self.ragged
         self.stats = StepStats(self._profile)
         # n-gram candidates (GLANCE_DRAFT_SOURCES=...,ngram): SGLang's NgramCorpus over each request's prompt, its
         # committed output and recent answers, one source per worker, proposed every step beside the drafter's tree
@@ -539,24 +546,49 @@ class GlanceWorker(BaseSpecWorker):
                           budget=self.budget, build=build)
 
     def _verify_pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors,
-                     capture: CaptureHiddenMode):
+                     capture: CaptureHiddenMode, rows: list[int] | None = None):
         """The target's TARGET_VERIFY pass over ``tree`` (``R`` rows per request, 1 <= R <= N): its K/V go to
         the first R of the N slots SGLang reserved after each prefix. Returns (result, logits [bs, R, V],
-        taps [bs, R, L*H], None where ``capture`` is NULL)."""
-        bs, rows = tree.tokens.shape
+        taps [bs, R, L*H], None where ``capture`` is NULL). ``rows``: a ragged pass (:attr:`ragged`), request
+        ``b``'s first ``rows[b]`` rows alone; its logits and taps come back in the [bs, R] layout, zero on the
+        rows it left out (the result's ``next_token_logits`` too)."""
+        bs, width = tree.tokens.shape
         vt = build_verify_input(tree, batch.seq_lens, seq_lens_cpu, batch.req_pool_indices,
-                                self.req_to_token_pool.req_to_token)
+                                self.req_to_token_pool.req_to_token, rows=rows)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = vt.input_ids
         batch.out_cache_loc = vt.out_cache_loc
         batch.spec_info = vt.spec_info
-        result = self.target_worker.forward_batch_generation(
-            batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=capture)
+        if rows is None:
+            result = self.target_worker.forward_batch_generation(
+                batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True, capture_hidden_mode=capture)
+        else:  # SGLang derives M-RoPE positions for uniform rows only: the pass gets them from here
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=capture,
+                                                  return_hidden_states_before_norm=False,
+                                                  spec_mrope_positions=self._ragged_mrope(batch, vt, rows))
+            result = self.target_worker.forward_batch_generation(
+                None, forward_batch=forward_batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True)
         out = result.logits_output
-        logits = out.next_token_logits.view(bs, rows, -1)
-        taps = self._taps(out.hidden_states, bs, rows)
+        if rows is not None:
+            out.next_token_logits = _unragged(out.next_token_logits, vt)
+            out.hidden_states = None if out.hidden_states is None else _unragged(out.hidden_states, vt)
+        logits = out.next_token_logits.view(bs, width, -1)
+        taps = self._taps(out.hidden_states, bs, width)
         out.hidden_states = None
         return result, logits, taps
+
+    def _ragged_mrope(self, batch: ScheduleBatch, vt, rows: list[int]) -> torch.Tensor | None:
+        """[3, T] M-RoPE positions of a ragged pass's rows (None: the target has none): each row's position plus
+        its request's M-RoPE delta, as ``ForwardBatch.compute_spec_mrope_positions`` adds it to uniform rows."""
+        if not self.model_runner.model_config.model_is_mrope:
+            return None
+        positions = vt.spec_info.positions
+        mm = batch.multimodal_inputs or [None] * len(rows)
+        if any(m is not None for m in mm):
+            deltas = [0 if m is None else int(m.mrope_position_delta.reshape(-1)[0]) for m in mm]
+            per_row = [d for d, r in zip(deltas, rows) for _ in range(r)]
+            positions = positions + torch.tensor(per_row, dtype=torch.int64, device=positions.device)
+        return positions.to(torch.int64).unsqueeze(0).repeat(3, 1)
 
     def _ar_pass(self, batch: ScheduleBatch, roots: torch.Tensor, pp_proxy_tensors, capture: CaptureHiddenMode):
         """A plain AR step: SGLang's own DECODE forward of each root (at position ``seq_lens[b]``, its K/V into
@@ -587,18 +619,19 @@ class GlanceWorker(BaseSpecWorker):
         return result, logits, taps
 
     def _pass(self, batch: ScheduleBatch, tree: DraftTree, seq_lens_cpu: list[int], pp_proxy_tensors,
-              taps: bool = True):
+              taps: bool = True, rows: list[int] | None = None):
         """The target pass of a step: SGLang's plain decode forward for a 1-row tree (an AR step; on the CPU
         backend 8.5 vs 9.2 ms median for a 1-row TARGET_VERIFY, interleaved engines), else the tree verify.
         With CUDA graphs every pass is a verify, replayed at its width (a 1-row one for an AR step: a speculative
         target has no DECODE graphs); a width without graphs runs eagerly. ``taps`` False: no tap layer captured
-        (every request retired, ``Planner.context_mask``), except in a graph, which replays its capture anyway."""
+        (every request retired, ``Planner.context_mask``), except in a graph, which replays its capture anyway.
+        ``rows``: each request's own number of rows (a ragged pass: only without graphs, :attr:`ragged`)."""
         graphs = self.verify_graphs
         if graphs is None:
             capture = self._capture if taps else CaptureHiddenMode.NULL
             if tree.num_rows == 1:
                 return self._ar_pass(batch, tree.tokens[:, 0], pp_proxy_tensors, capture)
-            return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors, capture)
+            return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors, capture, rows)
         with graphs.use(tree.num_rows) if tree.num_rows in graphs.states else contextlib.nullcontext():
             return self._verify_pass(batch, tree, seq_lens_cpu, pp_proxy_tensors, self._capture)
 
@@ -712,11 +745,12 @@ class GlanceWorker(BaseSpecWorker):
             # pred: the tokens per request the chosen round expected (bonus included); rival / alone: where the
             # drafter ran against the matches' round, the tokens that round expected and the drafts it would have
             # accepted on its own (what the drafter's round gained over it: accepted - alone)
-            logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%d]=%.1fms host=%.1fms accepted=%s lead=%s "
+            # target[R]: rows verified per request (a ragged pass: their mean)
+            logger.warning("GLANCE step bs=%d sched=%s %s=%.1fms target[%s]=%.1fms host=%.1fms accepted=%s lead=%s "
                            "pred=%s rival=%s alone=%s",
                            rep.batch, "-" if gap_ms is None else f"{gap_ms:.1f}ms",
                            f"draft{sum(r.plan.drafted_for(rep.batch))}" if r.drafted else "no_draft", rep.drafter_ms,
-                           r.tree.num_rows, rep.pass_ms,
+                           f"{rep.rows:g}" if isinstance(rep.rows, int) else f"{rep.rows:.2f}", rep.pass_ms,
                            rep.host_ms, list(rep.accepted),
                            [None if (h := self.planner.lead_entropy(x)) is None else round(h, 2) for x in rep.rids],
                            _rounded(r.plan.expected_tokens),
@@ -805,6 +839,14 @@ class GlanceWorker(BaseSpecWorker):
         return True
 
 
+def _unragged(packed: torch.Tensor, vt) -> torch.Tensor:
+    """A ragged pass's per-row tensor [T, ...] in the uniform layout [bs * N, ...] of its verify input ``vt``
+    (``build_verify_input(rows=...)``: row ``vt.rows[i]`` holds ``packed[i]``, the rows it left out are zero;
+    only those are cleared, not the whole tensor: a vocabulary of logits per row)."""
+    out = packed.new_empty((vt.rows.numel() + vt.left_out.numel(),) + tuple(packed.shape[1:]))
+    return out.index_copy_(0, vt.rows, packed).index_fill_(0, vt.left_out, 0)
+
+
 def _rounded(values) -> list[float] | None:
     """A step log's per-request numbers, to two decimals (None: none)."""
     return None if not values else [round(float(v), 2) for v in values]
@@ -862,15 +904,16 @@ class SGLangRows:
     def __init__(self, worker: GlanceWorker, batch: ScheduleBatch, seq_lens_cpu: list[int], pp_proxy_tensors) -> None:
         self.worker, self.batch, self.seq_lens_cpu, self.pp_proxy_tensors = worker, batch, seq_lens_cpu, pp_proxy_tensors
 
-    def forward(self, tree: DraftTree, taps: bool = True) -> PassOutput:
+    def forward(self, tree: DraftTree, taps: bool = True, rows: list[int] | None = None) -> PassOutput:
         """The pass over ``tree`` [bs, R]: logits [bs, R, V] where SGLang left them (masked by each constrained
         request's grammar along every row's path), taps [bs, R, L*H] (None where not captured: ``taps`` False, or
-        no drafter among the sources), SGLang's result as the handle."""
+        no drafter among the sources), SGLang's result as the handle. ``rows``: a ragged pass (each request's
+        first ``rows[b]`` rows; ``GlanceWorker.ragged``)."""
         w = self.worker
         timer = _PassEvents(w.device) if w.device_is_cuda else None
         # SGLang's forward (attention backend, sampler bookkeeping) is not this step's to bound
         with w._counter.paused() if w._counter is not None else contextlib.nullcontext():
-            result, logits, taps = w._pass(self.batch, tree, self.seq_lens_cpu, self.pp_proxy_tensors, taps)
+            result, logits, taps = w._pass(self.batch, tree, self.seq_lens_cpu, self.pp_proxy_tensors, taps, rows)
         if timer is not None:
             timer.stop()
         if self.batch.has_grammar:  # constrained requests: each row's logits masked by the grammar along its path

@@ -23,7 +23,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from glance_sgl.costs import CostModel, _interp, _interp_many, cost_cache_dir
+import numpy as np
+
+from glance_sgl.costs import CostModel, _interp, _interp_array, _interp_many, cost_cache_dir
 from glance_sgl.planner import Planner, RandomPlanner
 
 STEP_RATE = 0.1  # weight of one measured scheduler gap
@@ -75,6 +77,24 @@ class BatchCostModel(CostModel):
             return super().verify_ms_many(rows, batch)
         step = self.scheduler_ms(batch)
         return [ms + step for ms in self._pass_ms_many(rows, batch)]
+
+    def verify_ms_totals(self, totals: np.ndarray, batch: int = 1) -> np.ndarray:
+        """:meth:`verify_ms` of ragged passes over ``totals`` rows in all for ``batch`` requests: the batch's
+        curves at the mean rows per request (``totals / batch``), in array ops, plus the scheduler's time."""
+        if not self.curves:
+            return super().verify_ms_totals(totals, batch) + self.scheduler_ms(batch)
+        rows = np.asarray(totals, dtype=np.float64) / max(batch, 1)
+        sizes = sorted(self.curves)
+        if len(sizes) == 1:  # _pass_ms_many's one-curve rule
+            (xs, ys), = self.curves.values()
+            ms = _interp_array(xs, ys, rows) * (max(float(batch), 1.0) / max(sizes[0], 1.0))
+        else:
+            i = min(max(bisect.bisect_left(sizes, float(batch)), 1), len(sizes) - 1)
+            (xa, ya), (xb, yb) = self.curves[sizes[i - 1]], self.curves[sizes[i]]
+            w = (float(batch) - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+            lo, hi = _interp_array(xa, ya, rows), _interp_array(xb, yb, rows)
+            ms = lo + (hi - lo) * w
+        return np.maximum(ms, 0.0) * self.scale + self.scheduler_ms(batch)
 
     def scheduler_ms(self, batch: int = 1) -> float:
         if not self.step_ms:

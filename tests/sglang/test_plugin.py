@@ -197,6 +197,31 @@ def test_verify_input_equals_sglang_helpers(cpu_ops):
     assert spec.draft_token_num == n and spec.retrieve_index.view(-1).tolist() == list(range(bs * n))
 
 
+def test_a_ragged_verify_input_holds_each_requests_own_rows(cpu_ops):
+    """``build_verify_input(rows=...)``: request b's first ``rows[b]`` rows alone, in request order (their tokens,
+    positions and cache slots as in the uniform input), no flat FULL mask, the trees' ancestor mask and the rows
+    for the ``glance_cpu`` backend, and each kept row's index in the uniform layout (for the logits' way back)."""
+    from glance_sgl.sglang.glance_info import build_verify_input
+
+    tree = _random_trees()
+    bs, n = tree.tokens.shape
+    rows = [1, n, 3]
+    cut = tree.truncated(rows)
+    seq_lens = torch.tensor([5, 9, 7])
+    req_to_token = torch.arange(4 * 64).view(4, 64)
+    pool_idx = torch.tensor([2, 0, 3])
+    full = build_verify_input(tree, seq_lens, seq_lens.tolist(), pool_idx, req_to_token)
+    vt = build_verify_input(cut, seq_lens, seq_lens.tolist(), pool_idx, req_to_token, rows=rows)
+    kept = [b * n + j for b, r in enumerate(rows) for j in range(r)]
+    assert vt.rows.tolist() == kept and vt.left_out.tolist() == sorted(set(range(bs * n)) - set(kept))
+    assert vt.input_ids.tolist() == [full.input_ids.tolist()[i] for i in kept]
+    assert vt.out_cache_loc.tolist() == [full.out_cache_loc.tolist()[i] for i in kept]
+    assert vt.spec_info.positions.tolist() == [full.spec_info.positions.tolist()[i] for i in kept]
+    assert vt.spec_info.ragged_rows == rows and vt.spec_info.custom_mask.numel() == 0
+    for b, r in enumerate(rows):  # each request's kept rows see the same ancestors as in the whole tree
+        assert torch.equal(vt.spec_info.ragged_tree_mask[b, :r, :r], full.tree_mask[b, :r, :r])
+
+
 def test_cpu_reconstruct_matches_sglang_links(cpu_ops):
     from sglang.srt.speculative.ngram_worker import _derive_tree_links
 
