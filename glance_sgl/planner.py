@@ -822,6 +822,20 @@ class Planner:
             out.append(curve)
         return out
 
+    def _accept_array(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None,
+                      drafter_nodes: bool) -> np.ndarray:
+        """:meth:`expected_accept` as a float64 array [B, R] on the host, in array ops (the ragged choice)."""
+        x = scores.detach().cpu().numpy().astype(np.float64)
+        if drafter_nodes:
+            logc = np.asarray(self.depth.log_cumulative_host())
+            add = logc[np.minimum(depths.cpu().numpy(), self.depth.max_depth)]
+            if sources is not None:
+                add = np.where(sources.cpu().numpy() == SOURCE_DRAFTER, add, 0.0)
+            x = x + add
+        probs = np.minimum(np.exp(x), 1.0)
+        probs[:, 0] = 0.0
+        return np.cumsum(probs, axis=1)
+
     def choose(self, rids: Sequence[object], scores: torch.Tensor, depths: torch.Tensor,
                sources: torch.Tensor | None = None, drafter_ran: bool = True,
                drafted: Sequence[bool] | None = None) -> Plan:
@@ -840,19 +854,22 @@ class Planner:
         # without the drafter's pass the candidates hold none of its nodes: nothing to calibrate, no tree ratio;
         # every request's raw acceptance and expected tokens at every budget [bs][limit + 1], as lists (the round
         # plans on host copies of the candidates: not a device read)
+        ratios = [self.state(r).tree_ratio if mask is None or mask[b] else 1.0 for b, r in enumerate(rids)] \
+            if drafter_ran else None
+        if self.mode != "fixed" and self.ragged and bs > 1:  # each request its own size, in array ops
+            raw = self._accept_array(scores[:, : limit + 1], depths[:, : limit + 1], sources, drafter_ran)
+            curves = 1.0 + (raw if ratios is None else raw * np.asarray(ratios)[:, None])
+            draft = self.costs.draft_ms(bs if mask is None else sum(mask)) if drafter_ran else 0.0
+            counts = self._ragged_nodes(curves, draft)
+            self._note_nodes(rids, drafter_ran, mask, counts)
+            at = (np.arange(bs), np.asarray(counts))
+            return Plan(max(counts), curves[at].tolist(), drafted=drafter_ran, raw_accept=raw[at].tolist(),
+                        drafted_mask=mask, rows=[c + 1 for c in counts])
         raw_host = self._accept_curves(scores[:, : limit + 1], depths[:, : limit + 1], sources, drafter_ran)
-        if drafter_ran:
-            ratios = [self.state(r).tree_ratio if mask is None or mask[b] else 1.0 for b, r in enumerate(rids)]
+        if ratios is not None:
             curve_host = [[1.0 + x * q for x in row] for row, q in zip(raw_host, ratios)]
         else:
             curve_host = [[1.0 + x for x in row] for row in raw_host]
-        if self.mode != "fixed" and self.ragged and bs > 1:
-            draft = self.costs.draft_ms(bs if mask is None else sum(mask)) if drafter_ran else 0.0
-            counts = self._ragged_nodes(curve_host, draft)
-            self._note_nodes(rids, drafter_ran, mask, counts)
-            return Plan(max(counts), [row[c] for row, c in zip(curve_host, counts)], drafted=drafter_ran,
-                        raw_accept=[row[c] for row, c in zip(raw_host, counts)], drafted_mask=mask,
-                        rows=[c + 1 for c in counts])
         per_n = [sum(col) for col in zip(*curve_host)]  # [limit + 1]: the batch's expected tokens for budget n
         if self.mode == "fixed":
             n = min(self.fixed_nodes, limit)
@@ -880,17 +897,17 @@ class Planner:
             return self.costs.verify_ms(plan.nodes + 1, bs)
         return float(self.costs.verify_ms_totals(np.array([float(plan.total_rows(bs))]), bs)[0])
 
-    def _ragged_nodes(self, curves: list[list[float]], draft_ms: float) -> list[int]:
+    def _ragged_nodes(self, curves: np.ndarray, draft_ms: float) -> list[int]:
         """Nodes per request where every request verifies its own number of rows (:attr:`ragged`): the allocation
         of the batch's rows with the best expected tokens per ms, the pass priced by its total rows.
 
-        ``curves`` [bs][limit + 1]: each request's expected tokens (bonus included) with its best ``n`` nodes;
+        ``curves`` [bs, limit + 1]: each request's expected tokens (bonus included) with its best ``n`` nodes;
         ``draft_ms``: the round's drafter pass (0 without it). Each request's marginal tokens per node are taken
         non-increasing along its tree (a running minimum), so that ranking every request's nodes by them takes
         each request's best-first prefix; the batch verifies the first ``t`` nodes of that ranking, for the
         smallest ``t`` within ``size_margin`` of the best rate (``t = 0``: an AR step, whose host work the curve's
         one-row point holds; a tree adds ``overhead_ms``)."""
-        c = np.asarray(curves, dtype=np.float64)  # [bs, limit + 1]
+        c = curves
         bs, limit = c.shape[0], c.shape[1] - 1
         gains = np.diff(c, axis=1)  # [bs, limit]
         order = np.argsort(-np.minimum.accumulate(gains, axis=1).ravel(), kind="stable")  # ties: shallower first
