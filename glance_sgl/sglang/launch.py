@@ -53,10 +53,11 @@ def cpu_kv_tokens(context_length: int | None) -> int:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (for a server launched next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port for a server launched next: free now, below the kernel's ephemeral range and not handed out
+    before by this process (:func:`_reserve_port`). A port the kernel picked (bind to port 0) lies in the ephemeral
+    range, where the local end of any outgoing connection may take it while the server loads: a test's SGLang
+    server once failed to bind its HTTP port so (``EADDRINUSE``) and waited out its start-up timeout."""
+    return _reserve_port(30100, 32699, "an SGLang server")
 
 
 def cpu_server_args(context_length: int | None = None) -> list[str]:
@@ -83,6 +84,9 @@ def server_command(model: str | Path, drafter: str | Path | None = None, port: i
     return cmd
 
 
+_BIND_ERROR = "error while attempting to bind on address"  # uvicorn's message where the server's port is taken
+
+
 @dataclass
 class SGLangServer:
     """A running ``sglang.launch_server`` child (its own process group, so that stop() ends its workers)."""
@@ -98,12 +102,16 @@ class SGLangServer:
         return self.proc.poll() is None
 
     def wait_ready(self, timeout: float = 300.0, interval: float = 1.0) -> "SGLangServer":
-        """Poll ``GET /health`` until 200; raise if the process dies or the time runs out."""
+        """Poll ``GET /health`` until 200; raise if the process dies, fails to bind its port (SGLang's HTTP server
+        then logs the error and stays up without serving) or the time runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"SGLang server exited with {self.proc.returncode} before it was ready"
                                    f"{self._tail()}")
+            if _BIND_ERROR in self._last_bytes():
+                self.stop()
+                raise RuntimeError(f"SGLang server could not bind {self.url} (address already in use){self._tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
@@ -113,6 +121,14 @@ class SGLangServer:
             time.sleep(interval)
         self.stop()
         raise TimeoutError(f"SGLang server at {self.url} not ready after {timeout:.0f}s{self._tail()}")
+
+    def _last_bytes(self, n: int = 4096) -> str:
+        """The last ``n`` bytes of the server's log ("" without one)."""
+        if not self.log_path or not Path(self.log_path).exists():
+            return ""
+        with open(self.log_path, "rb") as fh:
+            fh.seek(max(fh.seek(0, os.SEEK_END) - n, 0))
+            return fh.read().decode(errors="replace")
 
     def _tail(self) -> str:
         if self.log_path and Path(self.log_path).exists():
@@ -155,7 +171,22 @@ class SGLangServer:
         self.stop()
 
 
-_RENDEZVOUS_PORTS: set[int] = set()  # rendezvous ports handed to engines started from this process
+_HANDED_OUT: set[int] = set()  # ports handed to servers and engines started from this process
+
+
+def _reserve_port(low: int, high: int, what: str) -> int:
+    """A TCP port in ``[low, high]``, free on every interface now and not handed out before by this process."""
+    for port in random.SystemRandom().sample(range(low, high + 1), min(512, high - low + 1)):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high} for {what}")
 
 
 def rendezvous_port(low: int = 22000, high: int = 29999) -> int:
@@ -164,17 +195,7 @@ def rendezvous_port(low: int = 22000, high: int = 29999) -> int:
     from this process (``EngineProcess``, :func:`launch_sglang`). Left to SGLang, engines started together each
     pick one at random, and two of four picked the same one once (``EADDRINUSE``: the parity tests' engines failed
     to start in CI)."""
-    for port in random.SystemRandom().sample(range(low, high + 1), 512):
-        if port in _RENDEZVOUS_PORTS:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        _RENDEZVOUS_PORTS.add(port)
-        return port
-    raise RuntimeError(f"no free port in {low}-{high} for an SGLang engine's rendezvous")
+    return _reserve_port(low, high, "an SGLang engine's rendezvous")
 
 
 def launch_sglang(model: str | Path, drafter: str | Path | None = None, port: int = 30000, *,

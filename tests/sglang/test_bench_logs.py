@@ -272,6 +272,30 @@ def test_engines_started_together_get_distinct_free_rendezvous_ports():
         sock.bind(("0.0.0.0", ports[-1]))  # nothing holds it
 
 
+def test_servers_get_free_ports_no_outgoing_connection_can_take(tmp_path):
+    """``free_port`` hands out distinct ports below the kernel's ephemeral range (where the local end of an
+    outgoing connection could take one while the server loads), and a server whose port is taken anyway fails at
+    once, naming it, instead of waiting out its start-up timeout."""
+    import subprocess
+    import sys
+    import time
+
+    from glance_sgl.sglang.launch import SGLangServer, free_port, rendezvous_port
+
+    ports = [free_port() for _ in range(32)] + [rendezvous_port() for _ in range(8)]
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    assert len(set(ports)) == len(ports) and all(p < low for p in ports[:32])
+    log = tmp_path / "server.log"
+    log.write_text("INFO: started\nERROR:    [Errno 98] error while attempting to bind on address "
+                   "('127.0.0.1', 1): address already in use\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    server = SGLangServer(proc, "http://127.0.0.1:1", [], log)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not bind"):
+        server.wait_ready(timeout=30)
+    assert time.monotonic() - started < 10 and proc.poll() is not None
+
+
 def test_step_stats_log_the_mean_ms_of_each_part_of_a_round_and_the_bench_reads_them(tmp_path):
     """The worker's ``StepStats`` (``GLANCE_SGL_PROFILE=1``) log per step kind the mean ms of the round's parts
     every 200 steps, through the worker's logger; the bench's ``--step-stats`` reads the last such line."""
