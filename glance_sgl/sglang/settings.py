@@ -16,7 +16,7 @@ environment; the worker takes the object.
 | ``GLANCE_SGL_STEP`` | ``step`` | ``auto`` / ``host`` / ``device`` | where the step's tree build and walk run (``auto``: the device on CUDA, the host elsewhere) |
 | ``GLANCE_SGL_STATIC_DRAFT`` | ``static_draft`` | ``0`` / ``1`` | the drafter pass with the static shapes of its graphs, without graphs (CPU tests of the GPU path) |
 | ``GLANCE_SGL_CPU_OVERLAP`` | ``cpu_overlap`` | ``0`` / ``1`` | on a CPU device, keep SGLang's overlap scheduler on (default: off there, as SGLang does for its own speculative algorithms: a CPU runs the step synchronously anyway, and the relay costs; tests of the overlap path set it) |
-| ``GLANCE_SGL_RAGGED_VERIFY`` | ``ragged_verify`` | ``1`` / ``0`` | where the attention backend takes it (``glance_cpu``, no CUDA graphs, one rank): every request of a batch verifies its own number of tree rows in one pass, sized by the planner (``0``: one size for the batch) |
+| ``GLANCE_SGL_RAGGED_VERIFY`` | ``ragged_verify`` | ``0`` / ``1`` | ``1``: where the attention backend takes it (``glance_cpu``, no CUDA graphs, one rank), every request of a batch verifies its own number of tree rows in one pass, sized by the planner (default: one size for the batch; ragged passes lost on first-seen traffic, docs/planner.md) |
 | ``GLANCE_SGL_PROFILE`` | ``profile`` | ``0`` / ``1`` | log a per-phase time profile of decode steps |
 | ``GLANCE_SGL_COUNT_HOST_READS`` | ``count_host_reads`` | ``0`` / ``1`` | count device-to-host reads per step and log them |
 | ``GLANCE_SGL_STEP_TIMING`` | ``step_timing`` | ``0`` / ``1`` | time every engine's scheduler steps and target forwards, whatever its algorithm (``glance_sgl.sglang.step_timing``; the benchmark's side-by-side step table) |
@@ -56,11 +56,6 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     if raw in _FALSE:
         return False
     raise SettingsError(f"{name}={env[name]!r}: use 1 or 0")
-
-
-def _flag_default(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """:func:`_flag`, ``default`` where the variable is unset or empty."""
-    return _flag(env, name) if env.get(name, "").strip() else default
 
 
 def parse_planner(raw: str, name: str = "GLANCE_PLANNER") -> tuple[str, int]:
@@ -116,7 +111,7 @@ class WorkerSettings:
     draft_sources: tuple[str, ...] = DEFAULT_DRAFT_SOURCES
     ngram_corpus: str = "shared"
     cpu_overlap: bool = False
-    ragged_verify: bool = True
+    ragged_verify: bool = False
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -154,7 +149,7 @@ class WorkerSettings:
                    count_host_reads=_flag(env, "GLANCE_SGL_COUNT_HOST_READS"),
                    step_timing=_flag(env, "GLANCE_SGL_STEP_TIMING"), dump_taps=Path(dump) if dump else None,
                    draft_sources=sources, ngram_corpus=corpus, cpu_overlap=_flag(env, "GLANCE_SGL_CPU_OVERLAP"),
-                   ragged_verify=_flag_default(env, "GLANCE_SGL_RAGGED_VERIFY", True))
+                   ragged_verify=_flag(env, "GLANCE_SGL_RAGGED_VERIFY"))
 
     def device_step(self, on_cuda: bool) -> bool:
         """Whether the step's tree build and walk run as device tensors (no per-request host loops)."""

@@ -7,7 +7,8 @@ and no KV slot leaks. A third engine runs the test-only random planner (``GLANCE
 tree sizes and plain AR steps without the drafter pass, the cost calibration's extra passes included) with
 several requests in flight, greedy and seeded sampling, with the n-gram source's candidates merged with the
 drafter's (``GLANCE_DRAFT_SOURCES=drafter,ngram``: merged trees, n-gram-only steps, drafter-only steps and AR
-steps), and must give the same tokens too. A fourth runs the same random rounds under SGLang's overlap scheduler
+steps) and ragged passes (``GLANCE_SGL_RAGGED_VERIFY=1``: in half its batches each request verifies its own random
+number of rows), and must give the same tokens too. A fourth runs the same random rounds under SGLang's overlap scheduler
 (the V2 worker with ``FutureMap`` relay: the scheduler processes a step's results after launching the next) and
 must give the same tokens at 1 and 4 in flight, greedy and seeded. A fifth drafts from n-gram matches alone
 (``GLANCE_DRAFT_SOURCES=ngram``: its passes capture no tap features and feed no drafter context) under the random
@@ -19,6 +20,7 @@ in flight, greedy and seeded, every step verifying the root alone.
 from __future__ import annotations
 
 import inspect
+import re
 import time
 
 import pytest
@@ -46,10 +48,12 @@ def run(checkpoints, tmp_path_factory):
                            log_path=logs / "glance.log", wait=False)
     rand = EngineProcess(cpu_engine_kwargs(target, drafter),
                          env={**STRICT, "GLANCE_PLANNER": "random:11", "GLANCE_COST_CACHE": "off",
-                              "GLANCE_DRAFT_SOURCES": "drafter,ngram"}, log_path=logs / "random.log", wait=False)
+                              "GLANCE_DRAFT_SOURCES": "drafter,ngram", "GLANCE_SGL_RAGGED_VERIFY": "1"},
+                         log_path=logs / "random.log", wait=False)
     merged = EngineProcess(cpu_engine_kwargs(target, drafter, disable_overlap_schedule=False),
                            env={**STRICT, "GLANCE_DRAFT_SOURCES": "drafter,ngram", "GLANCE_PLANNER": "random:5",
                                 "GLANCE_COST_CACHE": "off", "GLANCE_SGL_CPU_OVERLAP": "1",
+                                "GLANCE_SGL_RAGGED_VERIFY": "1",
                                 "SGLANG_IS_IN_CI": "1", "GLANCE_SGL_PROFILE": "1"}, log_path=logs / "merged.log",
                            wait=False)
     ngram = EngineProcess(cpu_engine_kwargs(target, drafter),
@@ -233,6 +237,8 @@ def test_overlap_scheduler_stays_lossless(run):
     log = (run["logs"] / "merged.log").read_text()
     assert "Mem Leak" not in log and "memory leak" not in log.lower() and "Traceback" not in log
     assert run["merged_info"]["disable_overlap_schedule"] is False  # the overlap scheduler did run
+    # ragged passes ran (GLANCE_SGL_RAGGED_VERIFY=1): steps whose requests verified unequal rows log their mean
+    assert re.search(r"GLANCE step bs=\d+ .*? target\[\d+\.\d+\]", log), "no ragged pass in the overlap engine"
     for name in ("glance", "random", "merged", "ngram"):  # GLANCE registers supports_overlap=True: no deprecation notice
         assert "supports_overlap=False" not in (run["logs"] / f"{name}.log").read_text()
 
