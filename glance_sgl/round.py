@@ -456,9 +456,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
             else:
                 host_ms = max(1000.0 * ((t2 - t1) + (t4 - t2)) - pass_ms, 0.0)
             verified = planned.prefix(width) if active else None
-            if rows_each is not None:  # the pass's own tree where it is this one (on the host: made once)
-                same = planned is candidates and tree.tokens.device == planned.tokens.device
-                verified = tree if same else verified.truncated(rows_each)
+            if rows_each is not None:
+                verified = verified.truncated(rows_each)
             report = RoundReport(batch.rids, plan, tree.num_rows if rows_each is None else sum(rows_each) / n,
                                  accepted, verified, host_walk if active else None,
                                  None if lead is None else lead.tolist(), drafter_ms=1000.0 * (t1 - t0),

@@ -131,9 +131,9 @@ class SGLangServer:
             return fh.read().decode(errors="replace")
 
     def _tail(self) -> str:
-        if self.log_path and Path(self.log_path).exists():
-            return "\n" + Path(self.log_path).read_text(errors="replace")[-3000:]
-        return ""
+        """The end of the server's log for an error message ("" without a log file)."""
+        text = self._last_bytes(3000)
+        return "\n" + text if text else ""
 
     def tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines of the server's log ("" without a log file)."""

@@ -29,6 +29,7 @@ from glance_sgl.costs import CostModel, _interp, _interp_array, _interp_many, co
 from glance_sgl.planner import Planner, RandomPlanner
 
 STEP_RATE = 0.1  # weight of one measured scheduler gap
+Curve = tuple[list[int], list[float]]  # a calibrated target-pass curve: rows per request, ms
 
 
 # ---------------------------------------------------------------------------------------------- costs
@@ -44,7 +45,7 @@ class BatchCostModel(CostModel):
     total-rows curve is used.
     """
 
-    curves: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    curves: dict[int, Curve] = field(default_factory=dict)
     step_ms: dict[int, float] = field(default_factory=dict)
     ar_host_ms: float = 0.0  # host work of the last round when it was an AR step (online; not saved)
 
@@ -55,20 +56,27 @@ class BatchCostModel(CostModel):
             return super().verify_ms(rows, batch)
         return self._pass_ms_many([rows], batch)[0]
 
-    def _pass_ms_many(self, rows: list[int], batch: int) -> list[float]:
-        """:meth:`pass_ms` at each of ``rows``: the batch size's two bracketing curves (linear in the batch size
-        between them, extrapolated past the ends; one curve: proportional to the batch size) found once."""
+    def _bracket(self, batch: int) -> tuple[Curve, Curve | None, float]:
+        """The calibrated curves a query at ``batch`` reads, found once: ``(curve, None, f)`` with one curve (the
+        pass proportional to the batch size: ``ms * f``), else the two nearest sizes' curves and the weight ``w``
+        of the upper one (linear in the batch size between them, extrapolated past the ends: ``lo + (hi - lo) *
+        w``)."""
         sizes = sorted(self.curves)
-        points = [float(r) for r in rows]
         if len(sizes) == 1:  # _interp's one-point rule
-            (xs, ys), = self.curves.values()
-            f = max(float(batch), 1.0) / max(sizes[0], 1.0)
-            return [max(ms * f, 0.0) * self.scale for ms in _interp_many(xs, ys, points)]
+            (curve,) = self.curves.values()
+            return curve, None, max(float(batch), 1.0) / max(sizes[0], 1.0)
         i = min(max(bisect.bisect_left(sizes, float(batch)), 1), len(sizes) - 1)
-        (xa, ya), (xb, yb) = self.curves[sizes[i - 1]], self.curves[sizes[i]]
         w = (float(batch) - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return self.curves[sizes[i - 1]], self.curves[sizes[i]], w
+
+    def _pass_ms_many(self, rows: list[int], batch: int) -> list[float]:
+        """:meth:`pass_ms` at each of ``rows``, the batch size's curves (:meth:`_bracket`) found once."""
+        low, high, w = self._bracket(batch)
+        points = [float(r) for r in rows]
+        if high is None:
+            return [max(ms * w, 0.0) * self.scale for ms in _interp_many(*low, points)]
         return [max(lo + (hi - lo) * w, 0.0) * self.scale
-                for lo, hi in zip(_interp_many(xa, ya, points), _interp_many(xb, yb, points))]
+                for lo, hi in zip(_interp_many(*low, points), _interp_many(*high, points))]
 
     def verify_ms_many(self, rows: list[int], batch: int = 1) -> list[float]:
         """:meth:`verify_ms` at each of ``rows`` (the sizes ``Planner.choose`` weighs), with the batch's curves and
@@ -80,19 +88,16 @@ class BatchCostModel(CostModel):
 
     def verify_ms_totals(self, totals: np.ndarray, batch: int = 1) -> np.ndarray:
         """:meth:`verify_ms` of ragged passes over ``totals`` rows in all for ``batch`` requests: the batch's
-        curves at the mean rows per request (``totals / batch``), in array ops, plus the scheduler's time."""
+        curves (:meth:`_bracket`) at the mean rows per request (``totals / batch``), in array ops, plus the
+        scheduler's time."""
         if not self.curves:
             return super().verify_ms_totals(totals, batch) + self.scheduler_ms(batch)
         rows = np.asarray(totals, dtype=np.float64) / max(batch, 1)
-        sizes = sorted(self.curves)
-        if len(sizes) == 1:  # _pass_ms_many's one-curve rule
-            (xs, ys), = self.curves.values()
-            ms = _interp_array(xs, ys, rows) * (max(float(batch), 1.0) / max(sizes[0], 1.0))
+        low, high, w = self._bracket(batch)
+        if high is None:
+            ms = _interp_array(*low, rows) * w
         else:
-            i = min(max(bisect.bisect_left(sizes, float(batch)), 1), len(sizes) - 1)
-            (xa, ya), (xb, yb) = self.curves[sizes[i - 1]], self.curves[sizes[i]]
-            w = (float(batch) - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-            lo, hi = _interp_array(xa, ya, rows), _interp_array(xb, yb, rows)
+            lo, hi = _interp_array(*low, rows), _interp_array(*high, rows)
             ms = lo + (hi - lo) * w
         return np.maximum(ms, 0.0) * self.scale + self.scheduler_ms(batch)
 
