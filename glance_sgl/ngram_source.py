@@ -41,8 +41,8 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import torch
 
-from .tree import (CONTEXT_ANY, CONTEXT_CHAIN, CONTEXT_ON_TRACK, SOURCE_NGRAM, CandidateTrie, DraftTree, HindsightTree,
-                   SourceAcceptance, _rows_per_request, pack_trees)
+from .acceptance import CONTEXT_ANY, CONTEXT_CHAIN, CONTEXT_ON_TRACK, HindsightTree, SourceAcceptance
+from .tree import SOURCE_NGRAM, CandidateTrie, DraftTree, _rows_per_request, pack_trees
 
 log = logging.getLogger(__name__)
 

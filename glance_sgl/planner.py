@@ -39,14 +39,13 @@ import numpy as np
 import torch
 
 from .costs import CostModel
-from .tree import SOURCE_DRAFTER, SOURCE_NGRAM, SourceAcceptance
+from .acceptance import DepthCalibration, EntropyTable, SourceAcceptance
+from .tree import SOURCE_DRAFTER, SOURCE_NGRAM
 
 PlannerMode = Literal["auto", "fixed", "off"]
 # "off": never speculate (every round a plain AR step, no source proposes): the fixed cost of the speculative path
 PLANNER_MODES = ("auto", "fixed", "off")
 
-# Entropy bins (nats) of the entropy table; the last bin is open-ended.
-ENTROPY_EDGES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 1.6, 2.5)
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 64
 PROBE_BACKOFF = 4  # a failed probe waits this many times longer for the next (2, 8, 32, 64 rounds) ...
 PROBE_BACKOFF_FAST = 16  # ... or this many, while probes across requests rarely pay (2, 32, 64 rounds)
@@ -98,172 +97,9 @@ COST_TREND = 0.9  # weight of the past in the measured ms of a lookup
 # MATCH_RATIO_MAX. Only the gate: the row choice keeps the calibrated scores.
 MATCH_TREND = 0.7
 MATCH_RATIO_MAX = 4.0
-
-
-# ---------------------------------------------------------------------------------------------------- acceptance
-HOST_OBSERVE_MAX_BATCH = 16  # DepthCalibration.observe: host lists up to this batch size, tensor ops above
 # Planner.choose: host lists up to this batch size (its lists grow with batch x rows: at 32 rows the tensor ops are
 # as fast from 8 requests on, 2 cores)
 HOST_CHOOSE_MAX_BATCH = 4
-
-
-class DepthCalibration:
-    """Per-depth factor between the drafter's conditional probability of a child and how often the target takes it.
-
-    At depth d, over rounds whose walk reached depth d-1: ``predicted[d]`` sums the drafter's conditional
-    probabilities of the tree's children of the path node (the chance, by the drafter, that the walk goes on),
-    ``hits[d]`` counts rounds where it did. ``factor[d] = hits / predicted`` (decayed sums with a prior of one
-    round at factor 1). Node i's acceptance probability is then ``exp(score_i) * prod_{d <= depth_i} factor[d]``.
-    """
-
-    def __init__(self, max_depth: int, decay: float = 0.995, prior: float = 1.0) -> None:
-        self.max_depth = max_depth
-        self.decay = decay
-        self.predicted = torch.full((max_depth + 1,), prior, dtype=torch.float64)
-        self.hits = torch.full((max_depth + 1,), prior, dtype=torch.float64)
-        self._log_cumulative: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._log_cumulative_host: tuple[tuple[int, ...], list[float]] | None = None
-
-    def _sums_key(self) -> tuple[int, ...]:
-        """Changes whenever the sums do (in place included)."""
-        return id(self.hits), self.hits._version, id(self.predicted), self.predicted._version
-
-    def log_cumulative(self) -> torch.Tensor:
-        """[max_depth + 1] float32: ``C[d] = sum_{1..d} log factor``, C[0] = 0. Made again only after the sums
-        changed (every choice reads it; only a drafting round's report changes them)."""
-        key = self._sums_key()
-        if self._log_cumulative is None or self._log_cumulative[0] != key:
-            factor = (self.hits / self.predicted).clamp(1e-3, 1e3)
-            logf = factor.log()
-            logf[0] = 0.0
-            self._log_cumulative = key, torch.cumsum(logf, 0).float()
-        return self._log_cumulative[1]
-
-    def log_cumulative_host(self) -> list[float]:
-        """:meth:`log_cumulative` as a host list (in double precision), for the host path of
-        :meth:`Planner.choose`; made again only after the sums changed."""
-        key = self._sums_key()
-        if self._log_cumulative_host is None or self._log_cumulative_host[0] != key:
-            total, out = 0.0, [0.0]
-            for hit, pred in zip(self.hits.tolist()[1:], self.predicted.tolist()[1:]):
-                total += math.log(min(max(hit / pred, 1e-3), 1e3))
-                out.append(total)
-            self._log_cumulative_host = key, out
-        return self._log_cumulative_host[1]
-
-    def node_probs(self, scores: torch.Tensor, depths: torch.Tensor, sources: torch.Tensor | None = None,
-                   drafter_nodes: bool = True) -> torch.Tensor:
-        """Calibrated acceptance probability of every row, [B, R] (1 at the root), capped at 1. ``sources``: the
-        rows' source tags (``glance_sgl.tree``); only the drafter's own nodes are calibrated here (another source's
-        scores are its calibrated estimates already); None: every node is the drafter's. ``drafter_nodes`` False:
-        none is (candidates of sources without a model pass), and the scores are the probabilities' logs."""
-        if not drafter_nodes:
-            return torch.exp(scores.float()).clamp(max=1.0)
-        c = self.log_cumulative().to(scores.device)[depths.clamp(max=self.max_depth)]
-        if sources is not None:
-            c = torch.where(sources.to(c.device) == SOURCE_DRAFTER, c, 0.0)
-        return torch.exp(scores.float() + c).clamp(max=1.0)
-
-    def observe(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
-                accepted_rows: torch.Tensor, accept_lens: torch.Tensor, counted: torch.Tensor | None = None
-                ) -> None:
-        """One verified batch of trees ([B, R] each; ``accepted_rows`` [B, >=1] with -1 padding, [B] lengths).
-        ``counted`` (bool [B, R]): the drafter's own nodes of a merged tree (the others' scores are not the
-        drafter's): only they count, a depth is a hit where the walk took one of them; None: every node.
-        Host tensors of a small batch (the round's host copies) take :meth:`_observe_host`: the same sums in a few
-        list passes instead of some twenty tiny tensor ops (about 0.1 ms of a round on 2 cores)."""
-        on_host = all(t.device.type == "cpu" for t in (parents, scores, depths, accepted_rows, accept_lens))
-        if on_host and self.predicted.device.type == "cpu" and parents.shape[0] <= HOST_OBSERVE_MAX_BATCH:
-            self._observe_host(parents, scores, depths, accepted_rows, accept_lens, counted)
-            return
-        bs, r = parents.shape
-        dev = parents.device
-        on_path = torch.zeros(bs, r + 1, dtype=torch.bool, device=dev)
-        rows = accepted_rows.to(dev).clamp(min=-1)
-        on_path.scatter_(1, torch.where(rows >= 0, rows, r), True)
-        on_path = on_path[:, :r]
-        parent_on_path = on_path.gather(1, parents.clamp(min=0)) & (parents >= 0)
-        if counted is not None:
-            parent_on_path &= counted.to(dev)
-        # children of a path node (one per reached depth): the drafter's chances, given their parent, that the
-        # walk goes on through them
-        cond = torch.exp(scores.float() - scores.float().gather(1, parents.clamp(min=0))) * parent_on_path
-        pred = torch.zeros(bs, self.max_depth + 2, dtype=torch.float64, device=dev)
-        pred.scatter_add_(1, depths.clamp(max=self.max_depth + 1), cond.double())
-        if counted is None:
-            reach = torch.arange(self.max_depth + 2, device=dev)[None, :] <= accept_lens.to(dev)[:, None]
-            hit = reach.double()
-        else:  # the accepted rows the drafter proposed, by their depth
-            took = counted.to(dev).gather(1, rows.clamp(min=0)) & (rows >= 0)
-            hit = torch.zeros(bs, self.max_depth + 2, dtype=torch.float64, device=dev)
-            hit.scatter_add_(1, depths.gather(1, rows.clamp(min=0)).clamp(max=self.max_depth + 1), took.double())
-        hit[:, 0] = 0.0
-        # the sums live where the trees do: a device-resident step reads nothing back for them
-        self.predicted = self.predicted.to(dev).mul_(self.decay).add_(pred.sum(0)[: self.max_depth + 1])
-        self.hits = self.hits.to(dev).mul_(self.decay).add_(hit.sum(0)[: self.max_depth + 1])
-
-    def _observe_host(self, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
-                      accepted_rows: torch.Tensor, accept_lens: torch.Tensor, counted: torch.Tensor | None = None
-                      ) -> None:
-        """:meth:`observe` on host lists (the same sums; the conditional probabilities in double precision, of the
-        path children only, instead of float32 tensor ops over every row)."""
-        top = self.max_depth + 1
-        pred, hit = [0.0] * top, [0.0] * top
-        par, dep, acc, lens = parents.tolist(), depths.tolist(), accepted_rows.tolist(), accept_lens.tolist()
-        sc = scores.tolist()
-        mine = None if counted is None else counted.tolist()
-        for b in range(len(par)):
-            on_path = {row for row in acc[b] if row >= 0}
-            for i, p in enumerate(par[b]):
-                if p >= 0 and p in on_path and dep[b][i] < top and (mine is None or mine[b][i]):
-                    pred[dep[b][i]] += math.exp(sc[b][i] - sc[b][p])  # exp(score - parent's score)
-            if mine is None:
-                for d in range(1, min(int(lens[b]), top - 1) + 1):
-                    hit[d] += 1.0
-            else:
-                for row in on_path:
-                    if row > 0 and mine[b][row] and dep[b][row] < top:
-                        hit[dep[b][row]] += 1.0
-        new = torch.tensor([pred, hit], dtype=torch.float64)
-        self.predicted.mul_(self.decay).add_(new[0])
-        self.hits.mul_(self.decay).add_(new[1])
-
-
-class EntropyTable:
-    """Accepted drafts per round by the round's lead entropy: decayed means per entropy bin, each shrunk towards
-    the decayed mean over all bins (worth ``shrink`` rounds), which starts from ``prior_mean`` (worth
-    ``prior_weight`` rounds).
-
-    Whether, and how, entropy predicts acceptance is learned, not assumed: a bin the engine has not drafted in yet
-    reads the overall mean, so a rarely visited entropy is never locked out of drafting by a prior. ``seen``: the
-    observations so far (decayed like the sums).
-    """
-
-    def __init__(self, max_accept: int, prior_mean: float = 2.0, prior_weight: float = 2.0, shrink: float = 3.0,
-                 decay: float = 0.99) -> None:
-        n = len(ENTROPY_EDGES) + 1
-        self.weight = [0.0] * n
-        self.total = [0.0] * n
-        self.all_weight, self.all_total = prior_weight, min(prior_mean, max_accept) * prior_weight
-        self.shrink, self.decay = shrink, decay
-        self.seen = 0.0
-
-    @staticmethod
-    def bin(entropy: float) -> int:
-        return bisect.bisect_right(ENTROPY_EDGES, entropy)
-
-    def expected(self, entropy: float) -> float:
-        i = self.bin(entropy)
-        overall = self.all_total / self.all_weight
-        return (self.total[i] + self.shrink * overall) / (self.weight[i] + self.shrink)
-
-    def observe(self, entropy: float, accepted: float) -> None:
-        i = self.bin(entropy)
-        self.weight[i] = self.weight[i] * self.decay + 1.0
-        self.total[i] = self.total[i] * self.decay + float(accepted)
-        self.all_weight = self.all_weight * self.decay + 1.0
-        self.all_total = self.all_total * self.decay + float(accepted)
-        self.seen = self.seen * self.decay + 1.0
 
 
 def pay_score(ratio: float) -> float:

@@ -9,16 +9,17 @@ Candidate sources (issue 27): every node may carry a source tag, a bitmask of th
 (``SOURCE_DRAFTER``, ``SOURCE_NGRAM``; a node reached by both carries ``SOURCE_BOTH``). ``merge_trees`` merges the
 trees of several sources under one row budget: branches with a shared token prefix become one branch, and the
 rows kept are the best-scored ones, best-first, so the result keeps the invariants above (prefix-closed, parents
-before children, any prefix of it is itself the best-first merged tree of that budget). ``SourceAcceptance``
-learns online how often the target takes a node of each source at each depth, which gives sources without
-probabilities of their own (n-gram matches) a calibrated score. The walk (``glance_sgl.verify``) never reads the
-tags: a merged tree is verified exactly like a drafter tree, so losslessness does not depend on the sources.
+before children, any prefix of it is itself the best-first merged tree of that budget).
+``glance_sgl.acceptance.SourceAcceptance`` learns online how often the target takes a node of each source at each
+depth, which gives sources without probabilities of their own (n-gram matches) a calibrated score. The walk
+(``glance_sgl.verify``) never reads the tags: a merged tree is verified exactly like a drafter tree, so
+losslessness does not depend on the sources.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -31,14 +32,6 @@ SOURCE_DRAFTER = 1  # the block drafter (every node of a tree whose ``sources`` 
 SOURCE_NGRAM = 2  # n-gram matches (glance_sgl.ngram_source)
 SOURCE_BOTH = SOURCE_DRAFTER | SOURCE_NGRAM
 SOURCE_NAMES = {SOURCE_DRAFTER: "drafter", SOURCE_NGRAM: "ngram"}
-# acceptance contexts of a hindsight-labelled source (SourceAcceptance): its proposals in general, those made while
-# the request's latest committed tokens were the source's own predictions (glance_sgl.ngram_source: a copy), and
-# those whose lookup found one long chain, a single continuation as deep as a lookup goes (a replayed answer, a
-# quoted passage: nearly every node is taken there, where other matches' deep nodes often fail)
-CONTEXT_ANY = 0
-CONTEXT_ON_TRACK = 1
-CONTEXT_CHAIN = 2
-CONTEXTS = (CONTEXT_ANY, CONTEXT_ON_TRACK, CONTEXT_CHAIN)
 
 
 @dataclass
@@ -550,178 +543,3 @@ def accepted_alone(tree: DraftTree, committed_tokens: torch.Tensor) -> torch.Ten
     for _ in range(min(tree.num_rows - 1, width)):  # a node is on the path when its parent is: one level per pass
         on_path = on_path & on_path.gather(1, parents)
     return torch.where(on_path, dep, 0).max(dim=1).values
-
-
-class SourceAcceptance:
-    """Online estimates of how often the target takes a node of each source, per depth and per sibling rank.
-
-    Cell (source s, depth d, rank k): over the nodes tagged s at depth d whose parent the walk reached, with k
-    earlier siblings tagged s (ranks ``ranks - 1`` and above share the last cell), the share the walk took: the
-    conditional acceptance ``P(node taken | parent reached)``. Counts are decayed by ``decay`` per observed batch
-    and start from a prior worth ``prior_weight`` nodes at ``prior_mean[k]`` (the last entry for higher ranks).
-    A node's calibrated score is the sum of its path's log cells (``log_table`` and ``CandidateTrie.rescore``).
-
-    A source in ``hindsight`` is labelled by ``observe_hindsight`` instead of ``observe``: every node it proposed,
-    verified or not, against the tokens the request committed afterwards. A verified tree only labels the nodes a
-    planner chose to verify, so cells it rarely verifies (deep n-gram nodes) keep their prior and stay unverified:
-    the estimate is biased by the choice it drives. The committed continuation is the target's own (greedy: the
-    same tokens whatever was verified; sampling: its samples), so hindsight labels are unbiased at every depth.
-
-    Hindsight cells also come per ``context`` (``CONTEXTS``: ``CONTEXT_ANY``, ``CONTEXT_ON_TRACK`` for a
-    proposal made while the request's latest tokens were the source's own predictions, ``NgramSource``'s streak, or
-    ``CONTEXT_CHAIN`` for one whose lookup found a single long chain):
-    a request copying a passage or replaying an answer takes nearly every node, while matches elsewhere mostly
-    fail, and one table for both would score the copy by the failures.
-    """
-
-    def __init__(self, max_depth: int = 16, ranks: int = 2, decay: float = 0.995,
-                 prior_mean: Sequence[float] = (0.5, 0.1), prior_weight: float = 2.0,
-                 sources: Sequence[int] = (SOURCE_DRAFTER, SOURCE_NGRAM)) -> None:
-        if max_depth < 1 or ranks < 1 or not 0.0 < decay <= 1.0 or prior_weight <= 0 or not prior_mean:
-            raise ValueError("SourceAcceptance: max_depth, ranks >= 1, 0 < decay <= 1, prior_weight > 0 required")
-        if any(not 0.0 < p < 1.0 for p in prior_mean):
-            raise ValueError(f"prior_mean entries must lie in (0, 1), got {list(prior_mean)}")
-        self.max_depth, self.ranks, self.decay = max_depth, ranks, decay
-        means = torch.tensor([prior_mean[min(k, len(prior_mean) - 1)] for k in range(ranks)], dtype=torch.float64)
-        self._prior_hits = (means * prior_weight).expand(max_depth + 1, ranks)
-        self._prior_tries = torch.full((max_depth + 1, ranks), float(prior_weight), dtype=torch.float64)
-        self.hits = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
-        self.tries = {s: torch.zeros(max_depth + 1, ranks, dtype=torch.float64) for s in sources}
-        # the cells of contexts other than 0 (hindsight sources), (source, context) -> (hits, tries), made on first use
-        self._context_cells: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.hindsight: set[int] = set()  # sources labelled by observe_hindsight (see the class doc)
-        # log_table's host lists, read at every lookup and changed only by a labelled batch: (source, context) ->
-        # (the version of the counts it was made from, the table); the counts change only through _add
-        self._version = 0
-        self._log_tables: dict[tuple[int, int], tuple[int, list[list[float]]]] = {}
-
-    def cells(self, source: int, context: int = CONTEXT_ANY) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hits, tries) of ``source`` in ``context``, each [max_depth + 1, ranks] float64 decayed counts."""
-        if context == CONTEXT_ANY:
-            return self.hits[source], self.tries[source]
-        if context not in CONTEXTS:
-            raise ValueError(f"acceptance context must be one of {CONTEXTS}, got {context}")
-        key = (source, context)
-        if key not in self._context_cells:
-            self._context_cells[key] = (torch.zeros_like(self.hits[source]), torch.zeros_like(self.tries[source]))
-        return self._context_cells[key]
-
-    def probs(self, source: int, context: int = CONTEXT_ANY) -> torch.Tensor:
-        """[max_depth + 1, ranks] float64 conditional acceptance of ``source`` in ``context`` (row 0 unused)."""
-        hits, tries = self.cells(source, context)
-        return (hits + self._prior_hits) / (tries + self._prior_tries)
-
-    def log_table(self, source: int, context: int = CONTEXT_ANY) -> list[list[float]]:
-        """``probs(source, context)``'s logs as host lists ``[depth][rank]``, for ``CandidateTrie.rescore`` (made
-        again only after the counts changed; read-only)."""
-        cached = self._log_tables.get((source, context))
-        if cached is None or cached[0] != self._version:
-            cached = self._log_tables[(source, context)] = (self._version, self.probs(source, context).log().tolist())
-        return cached[1]
-
-    def observe(self, tree: DraftTree, accepted_rows: torch.Tensor) -> dict[int, list[int]]:
-        """One verified batch: ``tree`` [B, R] (its tags), ``accepted_rows`` the walk's [B, D+1] (-1 padding).
-        Returns, per source, the accepted drafts of each request [B] that that source alone proposed (what it
-        added to the round).
-
-        Host lists: a round's tree is a few dozen rows, where a loop over them costs less than the dozen tensor
-        ops a vectorised count would."""
-        tags, parents = tree.source_tags().tolist(), tree.parents.tolist()
-        depths, accepted = tree.depths.tolist(), accepted_rows.tolist()
-        n, ranks, top = (self.max_depth + 1) * self.ranks, self.ranks, self.max_depth
-        tries = {src: [0.0] * n for src in self.hits}
-        hits = {src: [0.0] * n for src in self.hits}
-        only: dict[int, list[int]] = {src: [0] * len(tags) for src in self.hits}
-        for b, (tag_b, par_b, dep_b, acc_b) in enumerate(zip(tags, parents, depths, accepted)):
-            on_path = {r for r in acc_b if r >= 0}
-            for r in on_path:
-                if r > 0 and tag_b[r] in only:
-                    only[tag_b[r]][b] += 1
-            seen: dict[tuple[int, int], int] = {}  # (parent row, source): earlier siblings of that source
-            for i in range(1, len(par_b)):
-                p, tag = par_b[i], tag_b[i]
-                for src in tries:
-                    if not tag & src or src in self.hindsight:
-                        continue
-                    rank = seen.get((p, src), 0)
-                    seen[(p, src)] = rank + 1
-                    if p >= 0 and p in on_path:
-                        cell = min(dep_b[i], top) * ranks + min(rank, ranks - 1)
-                        tries[src][cell] += 1.0
-                        if i in on_path:
-                            hits[src][cell] += 1.0
-        for src in self.hits:
-            if src not in self.hindsight:
-                self._add(src, tries[src], hits[src])
-        return only
-
-    def _add(self, source: int, tries: Sequence[float], hits: Sequence[float], context: int = CONTEXT_ANY) -> None:
-        """One batch's counts of ``source`` in ``context`` (flat ``[depth * ranks + rank]`` host lists), after one
-        decay step."""
-        cell_hits, cell_tries = self.cells(source, context)
-        cell_tries.mul_(self.decay).view(-1).add_(torch.tensor(tries, dtype=torch.float64))
-        cell_hits.mul_(self.decay).view(-1).add_(torch.tensor(hits, dtype=torch.float64))
-        self._version += 1
-
-    def observe_hindsight(self, source: int, trees: Sequence["HindsightTree"]) -> None:
-        """One round's matured proposals of ``source`` (each a :class:`HindsightTree` with the tokens committed
-        after it), as one decayed batch per context of theirs: a node is tried where its parent is on the committed
-        path and its depth within the known continuation, and hit where its token is the continuation's."""
-        for context in sorted({t.context for t in trees}):
-            self._observe_context(source, [t for t in trees if t.context == context], context)
-
-    def _observe_context(self, source: int, trees: Sequence["HindsightTree"], context: int) -> None:
-        n, ranks, top = (self.max_depth + 1) * self.ranks, self.ranks, self.max_depth
-        tries, hits = [0.0] * n, [0.0] * n
-        for t in trees:
-            future, known = t.future, len(t.future)
-            on_path = [True] + [False] * (len(t.tokens) - 1)
-            for i in range(1, len(t.tokens)):
-                d, rank = t.depths[i], t.ranks[i]
-                if rank < 0 or d > known or not on_path[t.parents[i]]:
-                    continue
-                cell = min(d, top) * ranks + min(rank, ranks - 1)
-                tries[cell] += 1.0
-                if t.tokens[i] == future[d - 1]:
-                    on_path[i] = True
-                    hits[cell] += 1.0
-        self._add(source, tries, hits, context)
-
-
-@dataclass
-class HindsightTree:
-    """A proposed candidate trie awaiting its labels (``SourceAcceptance.observe_hindsight``): its nodes' tokens,
-    parents (every parent before its children; node 0 the root), depths and sibling ranks (-1: not the labelled
-    source's), ``future``: the tokens committed after its root so far, and ``context``: the acceptance context
-    it was scored in (``SourceAcceptance``). ``depth``: its deepest node's."""
-
-    tokens: list[int]
-    parents: list[int]
-    depths: list[int]
-    ranks: list[int]
-    future: list[int] = field(default_factory=list)
-    context: int = CONTEXT_ANY
-    depth: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.depth = max(self.depths)  # read on every commit while the tree is pending: computed once
-
-    def foreseen(self, tokens: Sequence[int]) -> tuple[int, bool]:
-        """How ``tokens`` (committed right after the root) went along the tree's first choices (rank-0 nodes):
-        (how many of them, from the first, were the first choice after the previous one; whether the tree never
-        put another first: they were all first choices, or the first-choice path ended in a leaf)."""
-        node, hit = 0, 0
-        for token in tokens:
-            first = next((i for i in range(node + 1, len(self.tokens))
-                          if self.parents[i] == node and self.ranks[i] == 0), None)
-            if first is None:
-                return hit, True  # a leaf: nothing foreseen past it, nothing contradicted
-            if self.tokens[first] != token:
-                return hit, False
-            node, hit = first, hit + 1
-        return hit, True
-
-    @property
-    def mature(self) -> bool:
-        """Whether every node's depth lies within the known continuation."""
-        return len(self.future) >= self.depth

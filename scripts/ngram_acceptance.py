@@ -35,7 +35,8 @@ from glance_sgl.demo import paths  # noqa: E402
 from glance_sgl.demo.bench import BENCH_TASKS, bench_examples  # noqa: E402
 from glance_sgl.engine import GlanceEngine, SamplingParams  # noqa: E402
 from glance_sgl.ngram_source import NgramSettings, NgramSource  # noqa: E402
-from glance_sgl.tree import SOURCE_NGRAM, SourceAcceptance  # noqa: E402
+from glance_sgl.acceptance import SourceAcceptance  # noqa: E402
+from glance_sgl.tree import SOURCE_NGRAM  # noqa: E402
 from glance_sgl.verify import greedy_walk  # noqa: E402
 
 ROWS = 16

@@ -15,8 +15,8 @@ PACKAGES = ("glance_sgl", "glance_kernels", "glance_server", "glance_loadtest")
 
 # (layer, module prefixes); a module belongs to the layer of its longest matching prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("core", ("glance_sgl.config", "glance_sgl.tree", "glance_sgl.verify", "glance_sgl.metrics", "glance_sgl.law",
-              "glance_sgl.special_tokens", "glance_sgl.host_transfers")),
+    ("core", ("glance_sgl.config", "glance_sgl.tree", "glance_sgl.acceptance", "glance_sgl.verify",
+              "glance_sgl.metrics", "glance_sgl.law", "glance_sgl.special_tokens", "glance_sgl.host_transfers")),
     ("kernels", ("glance_kernels",)),
     ("algorithm", ("glance_sgl.costs", "glance_sgl.planner", "glance_sgl.round", "glance_sgl.drafter",
                    "glance_sgl.ngram_source")),

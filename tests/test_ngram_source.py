@@ -15,15 +15,12 @@ import pytest
 import torch
 
 from glance_sgl.ngram_source import NgramCandidates, NgramSettings, NgramSource, ngram_corpus_class
+from glance_sgl.acceptance import CONTEXT_ANY, CONTEXT_CHAIN, CONTEXT_ON_TRACK, SourceAcceptance
 from glance_sgl.tree import (
-    CONTEXT_ANY,
-    CONTEXT_CHAIN,
-    CONTEXT_ON_TRACK,
     SOURCE_DRAFTER,
     SOURCE_NGRAM,
     SOURCE_NONE,
     CandidateTrie,
-    SourceAcceptance,
     merge_trees,
     pack_trees,
 )

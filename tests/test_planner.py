@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
+from glance_sgl.acceptance import DepthCalibration, EntropyTable
 from glance_sgl.costs import CostModel, default_row_grid
 from glance_sgl.planner import (EXPLORE, FIRST_RECHECK, GAIN_EVIDENCE, FIRST_TREND, MAX_PROBE_INTERVAL, MIN_PROBE_INTERVAL, START_HOLD, START_HOLD_LONG,
-                                DepthCalibration, EntropyTable, Planner, RoundReport, pay_score)
+                                Planner, RoundReport, pay_score)
 from glance_sgl.tree import DraftTree, build_tree, topk_per_offset
 from glance_sgl.verify import SamplingSpec, verify_tree
 
@@ -110,14 +111,14 @@ def test_depth_calibration_host_and_tensor_paths_agree(bs, counted, monkeypatch)
     random trees, random target choices (every walk depth), a depth cap below the trees' depths; with every node
     the drafter's (no mask, or a mask of every node: the same sums) and with a random set of them (a merged tree's
     drafter nodes)."""
-    import glance_sgl.planner as planner_mod
+    import glance_sgl.acceptance as acceptance_mod
 
     gen = torch.Generator().manual_seed(bs)
     paths = {}
     for path in ("host", "tensor", "host-masked-all"):
         if counted == "mask" and path == "host-masked-all":
             continue
-        monkeypatch.setattr(planner_mod, "HOST_OBSERVE_MAX_BATCH", 0 if path == "tensor" else 16)
+        monkeypatch.setattr(acceptance_mod, "HOST_OBSERVE_MAX_BATCH", 0 if path == "tensor" else 16)
         depth = DepthCalibration(5, decay=0.9)
         gen.manual_seed(bs)
         for step in range(12):

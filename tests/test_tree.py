@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from glance_sgl.round import only_requests
+from glance_sgl.acceptance import CONTEXT_ON_TRACK, HindsightTree, SourceAcceptance
 from glance_sgl.tree import (
-    CONTEXT_ON_TRACK,
     SOURCE_BOTH,
     SOURCE_DRAFTER,
     SOURCE_NGRAM,
     SOURCE_NONE,
     CandidateTrie,
     DraftTree,
-    HindsightTree,
-    SourceAcceptance,
     accepted_alone,
     accepted_per_source,
     ancestor_mask,
