@@ -371,3 +371,7 @@ class HindsightTree:
     def mature(self) -> bool:
         """Whether every node's depth lies within the known continuation."""
         return len(self.future) >= self.depth
+
+
+__all__ = ["CONTEXTS", "CONTEXT_ANY", "CONTEXT_ON_TRACK", "CONTEXT_CHAIN", "ENTROPY_EDGES", "DepthCalibration",
+           "EntropyTable", "SourceAcceptance", "HindsightTree"]

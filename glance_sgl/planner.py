@@ -1035,5 +1035,4 @@ class RandomPlanner(Planner):
 
 
 __all__ = ["Planner", "RandomPlanner", "AlwaysDraft", "Plan", "RoundReport", "PlannerMode", "PLANNER_MODES",
-           "DepthCalibration", "EntropyTable",
            "RequestPlanState"]
