@@ -97,6 +97,12 @@ COST_TREND = 0.9  # weight of the past in the measured ms of a lookup
 # MATCH_RATIO_MAX. Only the gate: the row choice keeps the calibrated scores.
 MATCH_TREND = 0.7
 MATCH_RATIO_MAX = 4.0
+# A request whose matches carry it (CARRY_ROUNDS rounds in a row without the drafter, each accepting CARRY_DRAFTS
+# drafts or more and ending at a leaf of the verified tree: the proposal ran out, nothing it proposed was wrong) is
+# copying what the corpora hold (a replayed answer, a quoted passage): it is retired, so the drafter's context stops
+# being kept for it and no probe spends a drafter pass on it (``RequestPlanState.carried``)
+CARRY_ROUNDS = 3
+CARRY_DRAFTS = 3
 # Planner.choose: host lists up to this batch size (its lists grow with batch x rows: at 32 rows the tensor ops are
 # as fast from 8 requests on, 2 cores)
 HOST_CHOOSE_MAX_BATCH = 4
@@ -151,6 +157,7 @@ class RequestPlanState:
     match_pred: float = 1.0
     match_actual: float = 1.0
     retired: bool = False
+    carried: int = 0  # rounds in a row without the drafter that its matches carried (CARRY_ROUNDS)
 
     @property
     def probe_due(self) -> bool:
@@ -341,6 +348,7 @@ class Planner:
     # ... what they gave drafting rounds over all requests (NGRAM_ALL_TREND), and requests' first ones (FIRST_TREND)
     lookups_all: LookupRecord = field(default_factory=LookupRecord)
     lookups_first: LookupRecord = field(default_factory=LookupRecord)
+    carried_retired: int = 0  # requests retired because their matches carried them (CARRY_ROUNDS)
     cheap_skips: int = 0  # lookups skipped so far, over all requests
     first_skips: int = 0  # ... of those, in requests' first drafting rounds
 
@@ -785,6 +793,7 @@ class Planner:
             self.cheap_ms = report.cheap_ms if self.cheap_ms is None else \
                 COST_TREND * self.cheap_ms + (1.0 - COST_TREND) * report.cheap_ms
         self._observe_matches(report)
+        self._observe_carried(report)
         if not report.drafted and report.cheap_ms is not None:
             self._observe_first_lookups(report)
         if report.drafted:
@@ -808,6 +817,31 @@ class Planner:
             st = self.state(r)
             if st.drafted_rounds == 0 and st.looked:
                 self.lookups_first.add(a / (1.0 + a), float(a), 1.0 + a, FIRST_TREND)
+
+    def _observe_carried(self, report: RoundReport) -> None:
+        """Counts, per request, the rounds in a row that its matches carried without the drafter (CARRY_DRAFTS
+        drafts or more, the walk ending at a leaf of the verified tree) and retires it at CARRY_ROUNDS (mode
+        "auto"): it is copying what the corpora hold, which the drafter cannot beat, and keeping its context (tap
+        capture, deferred draft K/V) or probing it would cost every step for nothing. Any other round resets the
+        count."""
+        if self.mode != "auto":
+            return
+        mask = report.plan.drafted_for(report.batch)
+        carried = [False] * report.batch
+        if report.rows > 1 and report.tree is not None and report.walk is not None \
+                and any(a >= CARRY_DRAFTS and not d for a, d in zip(report.accepted, mask)):
+            parents = report.tree.parents.tolist()
+            ends = report.walk.accepted_rows.tolist()
+            for b, (a, d) in enumerate(zip(report.accepted, mask)):
+                if a >= CARRY_DRAFTS and not d:
+                    last = ends[b][a]
+                    carried[b] = last > 0 and last not in parents[b]  # a leaf: the proposal ran out
+        for r, c in zip(report.rids, carried):
+            st = self.state(r)
+            st.carried = st.carried + 1 if c else 0
+            if st.carried >= CARRY_ROUNDS and not st.retired:
+                st.retired = True
+                self.carried_retired += 1
 
     def _observe_matches(self, report: RoundReport) -> None:
         """Each request's predicted and actual drafts of the round without the drafter: the round itself where it

@@ -866,3 +866,51 @@ def test_the_depth_factors_are_made_again_only_after_their_sums_change():
                        [SamplingSpec()], max_depth=7)
     depth.observe(tree.parents, tree.scores, tree.depths, walk.accepted_rows, walk.accept_lens)
     assert not torch.equal(depth.log_cumulative(), halved)
+
+
+def test_a_request_its_matches_carry_round_after_round_is_retired():
+    """A request whose rounds without the drafter each take CARRY_DRAFTS drafts or more and end at a leaf of the
+    verified tree (the proposal ran out, nothing it proposed was wrong) is copying what the corpora hold: after
+    CARRY_ROUNDS such rounds in a row it is retired (its drafter context no longer kept, never drafted for). A
+    round that ends on a mismatch, or one the drafter drafted, starts the count again; mode "fixed" never
+    retires."""
+    from glance_sgl.planner import CARRY_DRAFTS, CARRY_ROUNDS, Plan
+    from glance_sgl.verify import WalkResult
+
+    chain = DraftTree(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[-1, 0, 1, 2, 3]]),
+                      torch.tensor([[0, 1, 2, 3, 4]]), torch.zeros(1, 5))
+    branchy = DraftTree(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[-1, 0, 1, 2, 2]]),
+                        torch.tensor([[0, 1, 2, 3, 3]]), torch.zeros(1, 5))
+
+    def walk(rows: list[int]) -> WalkResult:
+        padded = rows + [-1] * (5 - len(rows))
+        return WalkResult(accepted_rows=torch.tensor([padded]), accept_lens=torch.tensor([len(rows) - 1]),
+                          bonus=torch.tensor([1]), committed_tokens=torch.tensor([[1] * 5]))
+
+    ngram = Plan(4, [4.0], drafted=False, raw_accept=[3.0])
+
+    def round_(planner: Planner, tree: DraftTree, rows: list[int], plan: Plan = ngram) -> None:
+        planner.report(RoundReport(["r"], plan, 5, [len(rows) - 1], tree, walk(rows)))
+
+    assert CARRY_DRAFTS <= 4
+    planner = Planner(linear_costs(), max_nodes=15, max_depth=15)
+    for _ in range(CARRY_ROUNDS - 1):
+        round_(planner, chain, [0, 1, 2, 3, 4])  # the whole chain: a leaf
+    round_(planner, branchy, [0, 1, 2, 3])  # ends on row 3, whose sibling 4 is a leaf too: row 3 is a leaf
+    assert planner.state("r").retired and planner.carried_retired == 1
+    assert planner.context_mask(["r"]) == [False] and not planner.gate(["r"])
+
+    planner = Planner(linear_costs(), max_nodes=15, max_depth=15)
+    round_(planner, chain, [0, 1, 2, 3, 4])
+    round_(planner, chain, [0, 1, 2, 3])  # a mismatch at row 4: not carried, the count starts again
+    for _ in range(CARRY_ROUNDS - 1):
+        round_(planner, chain, [0, 1, 2, 3, 4])
+    assert not planner.state("r").retired
+    round_(planner, chain, [0, 1, 2, 3, 4], Plan(4, [4.0], drafted=True, raw_accept=[3.0]))  # the drafter's round
+    round_(planner, chain, [0, 1, 2, 3, 4])
+    assert not planner.state("r").retired and planner.state("r").carried == 1
+
+    fixed = Planner(linear_costs(), max_nodes=15, max_depth=15, mode="fixed")
+    for _ in range(2 * CARRY_ROUNDS):
+        round_(fixed, chain, [0, 1, 2, 3, 4])
+    assert not fixed.state("r").retired
