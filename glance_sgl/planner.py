@@ -785,9 +785,11 @@ class Planner:
             return
         leads = [self.leads.get(r) for r in report.rids]
         only = None
-        if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1:
+        if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1 \
+                and (report.drafted or SOURCE_NGRAM not in self.acceptance.hindsight):
             # per source and depth, from trees that hold other sources' nodes (the drafter's own trees calibrate
-            # ``depth``)
+            # ``depth``); a round without the drafter holds n-gram nodes alone, labelled in hindsight by their
+            # source (nothing to count here, and ``only`` is read by drafting rounds only)
             only = self.acceptance.observe(report.tree, report.walk.accepted_rows)
         if report.cheap_ms is not None:
             self.cheap_ms = report.cheap_ms if self.cheap_ms is None else \
