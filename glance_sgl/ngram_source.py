@@ -22,7 +22,8 @@ Every corpus is a trie of at most a fixed number of nodes (``corpus_capacity`` /
 preallocates them and evicts the least recently used leaves when full), so memory is bounded whatever the
 traffic: ``NgramSource.memory_bound_nodes``. A proposal is a ``DraftTree`` whose nodes are all tagged
 ``SOURCE_NGRAM``, scored by a ``SourceAcceptance`` table (per depth and sibling rank: the corpus gives no
-probabilities), ready for ``glance_sgl.tree.merge_trees`` with the drafter's tree.
+probabilities; siblings ranked in the order SGLang's BFS found them, :func:`sibling_order_reversed`) and packed
+best-first, ready for ``glance_sgl.tree.merge_trees`` with the drafter's tree.
 
 SGLang is imported lazily and is optional: where it is not importable (or the JIT build fails) the source is
 unavailable (``available`` False, ``reason`` says why) and proposes root-only trees; nothing raises.
@@ -76,6 +77,22 @@ MAX_QUEUED_TOKENS = 8192
 _IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
 
 
+def sibling_order_reversed(cls: Any) -> bool:
+    """Whether ``cls`` (SGLang's ``NgramCorpus``) returns a lookup's siblings in the reverse of the order its BFS
+    found them. The BFS finds the longest match's continuations first, each match's most recent first (its LRU
+    list), but SGLang 0.5's result keeps them in a ``std::unordered_map``, whose libstdc++ iteration runs newest
+    entry first: the siblings come out shortest match and oldest continuation first, the least likely first.
+    Probed once per process on a corpus of two continuations of one context (the older one first in the result:
+    reversed), so a corpus that keeps the BFS order is read as it is."""
+    corpus = cls(max_trie_depth=4, min_bfs_breadth=1, max_bfs_breadth=4, draft_token_num=3, match_type="BFS",
+                 capacity=64)
+    for continuation in (10, 20):  # 20 is the more recent continuation of 1 2 3
+        corpus.batch_put([[1, 2, 3, continuation]])
+        corpus.synchronize()
+    ids, _ = corpus.batch_get(["probe"], [[1, 2, 3]], [3])
+    return [int(t) for t in ids.reshape(-1)[1:3]] == [10, 20]
+
+
 def ngram_corpus_class() -> tuple[Any, str | None]:
     """SGLang's ``NgramCorpus`` class, imported on first call: ``(cls, None)``, or ``(None, reason)`` where
     SGLang is not importable. The result is cached for the process."""
@@ -99,10 +116,10 @@ class NgramSettings:
     max_trie_depth:   longest n-gram stored, in tokens (match length + continuation; SGLang's default 18)
     max_nodes:        candidates per corpus lookup (SGLang's ``draft_token_num - 1``; 7 as its NGRAM's default); a
                       proposal merges the cross-request and own lookups and keeps at most the rows asked for. Kept
-                      narrow on purpose: SGLang returns a lookup's tree in level order, which loses the BFS order
-                      (longest match's most recent continuation first) that makes a narrow lookup good, so a wide
-                      lookup cut to few rows keeps the shallow breadth instead (replayed greedy answers, 8 rows at
-                      8 in flight: tau 2.25 with 15 per lookup, 2.61 with 7, SGLang's NGRAM 2.56)
+                      narrow: SGLang's BFS spends a lookup's candidates on the longest match first, and a wider
+                      lookup mostly adds shorter matches' breadth (replayed greedy answers, 8 rows at 8 in flight,
+                      measured while proposals kept the lookup's level order: tau 2.25 with 15 per lookup, 2.61
+                      with 7, SGLang's NGRAM 2.56)
     max_depth:        deepest candidate kept (the walk's depth cap: keep it at the drafter's block size - 1)
     min_bfs_breadth / max_bfs_breadth / match_type: SGLang's NgramCorpus matching (BFS: most recent
                       continuations first, wider for shorter matches; PROB: most frequent first)
@@ -226,9 +243,11 @@ class NgramSource:
         self._read: set[int] = set()  # id() of the corpora read since the last commit (its puts flush at once)
         self._unsynced: set[int] = set()  # id() of the corpora with inserts a lookup has not waited for yet
         self.published_tokens = 0
+        self._reversed = False  # whether lookups return siblings in reverse BFS order (sibling_order_reversed)
         if self._cls is not None:
             try:  # the first NgramCorpus JIT-builds SGLang's C++ (tens of seconds once, cached on disk)
                 self._own = _OwnCorpus(self._new_corpus(self.settings.own_capacity))
+                self._reversed = _reversed_siblings(self._cls)
                 if self.settings.scope == "shared":  # allocated now (tens of ms), not in the first request
                     self._cross(_ANON_KEY, create=True)
             except Exception as exc:
@@ -552,10 +571,10 @@ class NgramSource:
                 context = CONTEXT_CHAIN if b in chained else self.context(rids[b])
                 if context not in logs:
                     logs[context] = table.log_table(SOURCE_NGRAM, context)
-                ranks = trie.rescore(logs[context], SOURCE_NGRAM, in_order=True)
+                ranks = trie.rescore(logs[context], SOURCE_NGRAM)
                 if label:
                     self._pend(self._requests[rids[b]], trie, ranks, context)
-            packed.append(trie.first(budgets[b] - 1))  # = best_first: in-order scores never increase
+            packed.append(trie.best_first(budgets[b] - 1))
         return pack_trees(packed, device)
 
     def context(self, rid: Hashable) -> int:
@@ -658,7 +677,9 @@ class NgramSource:
             n = d
             while n > 1 and dep[n - 1] == 1 and tok[n - 1] == 0:  # SGLang's padding (a real token 0 at the
                 n -= 1  # tail, childless at depth 1, is dropped with it: one candidate less, nothing wrong)
-            out.append((tok[:n], par[:n], dep[:n]))
+            tree = (tok[:n], par[:n], dep[:n])
+            # a chain (its deepest row as deep as it has rows below the root) has no siblings to put in order
+            out.append(_siblings_reversed(*tree) if self._reversed and dep[n - 1] < n - 1 else tree)
         return out
 
 
@@ -667,6 +688,34 @@ def _ancestor_rank(d: int) -> np.ndarray:
     """[d, d] int64: ``j + 1`` where column ``j`` lies before row ``i`` (a possible ancestor), else 0."""
     j = np.arange(d)
     return np.where(j[None, :] < j[:, None], j[None, :] + 1, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _reversed_siblings(cls: Any) -> bool:
+    """:func:`sibling_order_reversed` of ``cls``, probed once per process."""
+    return sibling_order_reversed(cls)
+
+
+def _siblings_reversed(tokens: list[int], parents: list[int], depths: list[int]
+                       ) -> tuple[list[int], list[int], list[int]]:
+    """One lookup's tree (level order, row 0 the root) with every node's children in reverse order, again in level
+    order (:func:`sibling_order_reversed`); as it is where no node has two children."""
+    n = len(tokens)
+    children: list[list[int]] = [[] for _ in range(n)]
+    branched = False
+    for i in range(1, n):
+        kids = children[parents[i]]
+        branched = branched or bool(kids)
+        kids.append(i)
+    if not branched:
+        return tokens, parents, depths
+    order = [0]
+    for node in order:  # level order, appended while walked
+        order.extend(reversed(children[node]))
+    row = [0] * n
+    for r, i in enumerate(order):
+        row[i] = r
+    return ([tokens[i] for i in order], [-1] + [row[parents[i]] for i in order[1:]], [depths[i] for i in order])
 
 
 def _storable(token: int) -> bool:

@@ -343,19 +343,16 @@ class CandidateTrie:
                 continue
             node_of[r] = add(node_of[p], tokens[r], scores[r], tags[r])
 
-    def rescore(self, log_table: Sequence[Sequence[float]], tag: int, in_order: bool = False) -> list[int]:
+    def rescore(self, log_table: Sequence[Sequence[float]], tag: int) -> list[int]:
         """Scores of every node tagged ``tag`` alone (e.g. n-gram nodes, which carry no probabilities) from a
         per-depth, per-sibling-rank table of conditional log-acceptance ``log_table[depth][rank]`` (depths and
         ranks beyond the table read its last entry): a node's score is its parent's plus its own entry, so scores
-        never increase along a path. ``rank`` counts the earlier siblings carrying ``tag``. Nodes carrying other
-        bits too keep the best of their score and this one. ``in_order``: scores of nodes tagged ``tag`` alone
-        never increase in creation order either, so ``best_first`` keeps the order the source proposed them in
-        (SGLang's BFS: its longest match's most recent continuation first; a BFS of ``n`` nodes is the first ``n``
-        of a wider one, and a table of depth and rank knows nothing of match lengths). Returns every node's rank
-        (-1: not tagged ``tag``; the root's -1), for ``SourceAcceptance.observe_hindsight``."""
+        never increase along a path. ``rank`` counts the earlier siblings carrying ``tag`` (the source's own order
+        of preference: add a node's siblings best first). Nodes carrying other bits too keep the best of their
+        score and this one. Returns every node's rank (-1: not tagged ``tag``; the root's -1), for
+        ``SourceAcceptance.observe_hindsight``."""
         rank_seen = [0] * len(self.tokens)
         ranks = [-1] * len(self.tokens)
-        floor = 0.0
         for node in range(1, len(self.tokens)):
             if not self.tags[node] & tag:
                 continue
@@ -364,20 +361,9 @@ class CandidateTrie:
             rank_seen[parent] += 1
             row = log_table[min(self.depths[node], len(log_table) - 1)]
             score = self.scores[parent] + row[min(rank, len(row) - 1)]
-            if self.tags[node] == tag:
-                if in_order:
-                    score = floor = min(score, floor)
-                self.scores[node] = score
-            elif score > self.scores[node]:
+            if self.tags[node] == tag or score > self.scores[node]:
                 self.scores[node] = score
         return ranks
-
-    def first(self, nodes: int) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
-        """The first ``nodes`` nodes in creation order, packed like :meth:`best_first`: the same rows wherever
-        scores never increase in creation order (a trie of one source's nodes after ``rescore(in_order=True)``),
-        without the frontier heap (node i is row i)."""
-        k = min(nodes, len(self.tokens) - 1) + 1
-        return self.tokens[:k], self.parents[:k], self.depths[:k], self.scores[:k], self.tags[:k]
 
     def best_first(self, nodes: int) -> tuple[list[int], list[int], list[int], list[float], list[int]]:
         """The best ``nodes`` nodes (fewer if the trie is smaller) packed as rows ``[root] + nodes``: tokens,

@@ -209,6 +209,54 @@ def test_a_prompt_asked_again_gets_the_earlier_answer_from_its_first_token(publi
     assert not any(p[:2] == (3, 4) for p in paths_of(src.propose(["opening"], rows=8)))
 
 
+def test_the_likeliest_continuation_is_proposed_first():
+    """Siblings come in the order SGLang's BFS found them, whatever order its result keeps them in: the longest
+    match's continuation before a shorter match's, and of one match the most recent continuation first."""
+    src = NgramSource(small(scope="shared"))
+    for rid, answer in (("old", [20, 21, 22, 40, 41]), ("new", [20, 21, 22, 50, 51])):  # two answers after 20 21 22
+        src.add_request(rid, [9, 9])
+        src.commit(rid, answer)
+        src.finish(rid)
+    src.add_request("asks", [1, 2])
+    src.commit("asks", [20, 21, 22])
+    tree = src.propose(["asks"], rows=8)
+    assert tree.tokens[0, 1].item() == 50, "the more recent continuation first"
+    assert tree.parents[0, 1].item() == 0 and {40, 50} <= set(tree.tokens[0].tolist())
+    long_src = NgramSource(small(scope="shared"))
+    for rid, answer in (("long", [30, 31, 32, 33, 60, 61]), ("short", [70, 33, 80, 81])):
+        long_src.add_request(rid, [9, 9])
+        long_src.commit(rid, answer)
+        long_src.finish(rid)
+    long_src.add_request("asks", [1, 2])
+    long_src.commit("asks", [30, 31, 32, 33])  # matches 30 31 32 33 (-> 60) and, shorter, 33 (-> 80)
+    tree = long_src.propose(["asks"], rows=8)
+    assert tree.tokens[0, 1].item() == 60, "the longest match's continuation first"
+
+
+def test_rows_go_to_the_likeliest_nodes_first():
+    """A proposal keeps its best nodes by the acceptance table (depth and sibling rank), not the level order of the
+    lookup: where the first choice is taken far more often than its sibling, a small budget follows the first
+    choice's continuation instead of stopping at the sibling."""
+    src = NgramSource(small(scope="shared"))
+    for rid, answer_tokens in (("old", [20, 21, 22, 40, 41, 42]), ("new", [20, 21, 22, 50, 51, 52])):
+        src.add_request(rid, [9, 9])
+        src.commit(rid, answer_tokens)
+        src.finish(rid)
+    src.add_request("asks", [1, 2])
+    src.commit("asks", [20, 21, 22])
+    acc = SourceAcceptance(max_depth=6, decay=1.0)
+    hits, tries = acc.cells(SOURCE_NGRAM, CONTEXT_ANY)
+    tries += 100.0
+    hits[:, 0] += 90.0  # first choices taken 9 times in 10 (their continuations too), second choices once in 10
+    hits[:, 1] += 10.0
+    tree = src.propose(["asks"], rows=4, acceptance=acc)
+    check_tree_invariants(tree)
+    assert tree.tokens[0].tolist() == [22, 50, 51, 52], "the first choice's path, not its sibling 40"
+    sco = tree.scores[0, 1:].tolist()
+    assert all(a >= b for a, b in zip(sco, sco[1:])), "best-first"
+    assert 40 in src.propose(["asks"], rows=8, acceptance=acc).tokens[0].tolist()
+
+
 def test_memory_is_bounded_and_old_answers_are_evicted():
     src = NgramSource(small(scope="per-key", max_keys=2, corpus_capacity=512))
     for k in range(5):

@@ -5,7 +5,6 @@ of the sources' paths, best-first under one budget), per-source acceptance, and 
 from __future__ import annotations
 
 import itertools
-import math
 
 import random
 
@@ -522,40 +521,22 @@ def test_merged_trees_are_lossless(seed):
     assert accepted[SOURCE_NGRAM] + accepted[SOURCE_BOTH] > 0 and accepted[SOURCE_DRAFTER] > 0
 
 
-def test_rescore_in_order_keeps_the_sources_proposal_order():
-    """A source's own ranking (SGLang's BFS: its longest match's chain first) survives rescoring with
-    ``in_order``: best_first(n) takes the first n proposed nodes, where the depth/rank table alone would prefer
-    shallow siblings; the chosen rows are still prefix-closed and scores never increase along them."""
+def test_rescore_scores_by_depth_and_rank_and_packs_best_first():
+    """Rescoring a source's nodes by a depth/rank table: a node's score is its parent's plus its cell, siblings
+    ranked in the order they were added; best_first then takes the likeliest prefix-closed rows (here a depth-1
+    sibling before the chain's third node), scores never increasing along them."""
     table = [[0.0, 0.0]] + [[-0.1, -0.15]] * 8  # deep rank-0 cells cost more in sum than a depth-1 rank-1 one
-    def trie():
-        t = CandidateTrie(0)
-        node = 0
-        for tok in (1, 2, 3, 4):  # the chain, proposed first
-            node = t.add(node, tok, 0.0, SOURCE_NGRAM)
-        t.add(0, 9, 0.0, SOURCE_NGRAM)  # a sibling at depth 1, proposed last
-        return t
-    plain, ordered = trie(), trie()
-    plain.rescore(table, SOURCE_NGRAM)
-    ordered.rescore(table, SOURCE_NGRAM, in_order=True)
-    assert plain.best_first(3)[0] == [0, 1, 9, 2]
-    tokens, parents, depths, scores, _ = ordered.best_first(3)
-    assert tokens == [0, 1, 2, 3] and parents == [-1, 0, 1, 2]
-    assert all(a >= b for a, b in zip(scores[1:], scores[2:]))
-    assert ordered.best_first(5)[0] == [0, 1, 2, 3, 4, 9]
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_the_first_nodes_of_an_in_order_trie_are_its_best_first_rows(seed):
-    """After ``rescore(in_order=True)`` of a trie of one source's nodes, the first n nodes in creation order are
-    ``best_first(n)``'s rows (what the n-gram source packs without the heap)."""
-    rng = random.Random(seed)
-    table = [[0.0, 0.0]] + [[math.log(rng.uniform(0.05, 1.0)), math.log(rng.uniform(0.01, 0.5))] for _ in range(9)]
     trie = CandidateTrie(0)
-    for _ in range(40):
-        trie.add(rng.randrange(len(trie)), rng.randrange(6), 0.0, SOURCE_NGRAM)
-    trie.rescore(table, SOURCE_NGRAM, in_order=True)
-    for n in (0, 1, 5, 17, len(trie) - 1, len(trie) + 3):
-        assert trie.first(n) == trie.best_first(n)
+    node = 0
+    for tok in (1, 2, 3, 4):  # the chain, its nodes each its parent's first choice
+        node = trie.add(node, tok, 0.0, SOURCE_NGRAM)
+    trie.add(0, 9, 0.0, SOURCE_NGRAM)  # the root's second choice
+    ranks = trie.rescore(table, SOURCE_NGRAM)
+    assert ranks == [-1, 0, 0, 0, 0, 1]
+    assert trie.scores[4] == pytest.approx(-0.4) and trie.scores[5] == pytest.approx(-0.15)
+    tokens, parents, depths, scores, _ = trie.best_first(3)
+    assert tokens == [0, 1, 9, 2] and parents == [-1, 0, 0, 1]
+    assert all(a >= b for a, b in zip(scores[1:], scores[2:]))
 
 
 @pytest.mark.parametrize("seed", range(3))
