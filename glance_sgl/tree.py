@@ -370,6 +370,9 @@ class CandidateTrie:
         parent rows, depths, scores, tags. A frontier walk from the root (pop the best-scored node whose parent is
         packed, ties in creation order), so the rows are prefix-closed and parents precede children whatever the
         scores; where scores do not increase along paths the rows are the best-scored prefix-closed set."""
+        if self.depths[-1] == len(self.tokens) - 1:  # one chain (its last node's path holds every node): in order
+            k = min(nodes, len(self.tokens) - 1) + 1
+            return self.tokens[:k], self.parents[:k], self.depths[:k], self.scores[:k], self.tags[:k]
         tok, par, dep, sco, tag = [self.tokens[0]], [-1], [0], [0.0], [SOURCE_NONE]
         row_of = [0] * len(self.tokens)
         heap = [(-self.scores[c], c) for c in self.children[0]]

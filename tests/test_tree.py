@@ -4,6 +4,7 @@ of the sources' paths, best-first under one budget), per-source acceptance, and 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 
 import random
@@ -537,6 +538,33 @@ def test_rescore_scores_by_depth_and_rank_and_packs_best_first():
     tokens, parents, depths, scores, _ = trie.best_first(3)
     assert tokens == [0, 1, 9, 2] and parents == [-1, 0, 0, 1]
     assert all(a >= b for a, b in zip(scores[1:], scores[2:]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_first_of_a_chain_or_a_tree_is_the_frontier_walk(seed):
+    """best_first packs the frontier walk's rows (best score whose parent is packed, ties in creation order); a
+    trie that is one chain takes a shortcut (its rows in creation order), with the same rows."""
+    rng = random.Random(seed)
+    trie = CandidateTrie(7)
+    chain = seed % 2 == 0
+    for i in range(rng.randrange(1, 14)):
+        parent = len(trie) - 1 if chain else rng.randrange(len(trie))
+        trie.add(parent, rng.randrange(50) + 100 * i, -rng.uniform(0, 3) - trie.depths[parent], SOURCE_NGRAM)
+    for n in (0, 1, 3, len(trie) - 1, len(trie) + 2):
+        rows, row_of = [0], {0: 0}
+        heap = [(-trie.scores[c], c) for c in trie.children[0]]
+        heapq.heapify(heap)
+        while heap and len(rows) <= n:
+            _, node = heapq.heappop(heap)
+            row_of[node] = len(rows)
+            rows.append(node)
+            for c in trie.children[node]:
+                heapq.heappush(heap, (-trie.scores[c], c))
+        tok, par, dep, sco, tag = trie.best_first(n)
+        assert tok == [trie.tokens[i] for i in rows] and dep == [trie.depths[i] for i in rows]
+        assert par == [-1] + [row_of[trie.parents[i]] for i in rows[1:]]
+        assert sco == [0.0] + [trie.scores[i] for i in rows[1:]]
+        assert tag == [SOURCE_NONE] + [SOURCE_NGRAM] * (len(rows) - 1)
 
 
 @pytest.mark.parametrize("seed", range(3))
