@@ -77,6 +77,7 @@ MAX_QUEUED_TOKENS = 8192
 _IMPORT: tuple[Any, str | None] | None = None  # (NgramCorpus class or None, why not)
 
 
+@functools.lru_cache(maxsize=None)
 def sibling_order_reversed(cls: Any) -> bool:
     """Whether ``cls`` (SGLang's ``NgramCorpus``) returns a lookup's siblings in the reverse of the order its BFS
     found them. The BFS finds the longest match's continuations first, each match's most recent first (its LRU
@@ -247,7 +248,7 @@ class NgramSource:
         if self._cls is not None:
             try:  # the first NgramCorpus JIT-builds SGLang's C++ (tens of seconds once, cached on disk)
                 self._own = _OwnCorpus(self._new_corpus(self.settings.own_capacity))
-                self._reversed = _reversed_siblings(self._cls)
+                self._reversed = sibling_order_reversed(self._cls)
                 if self.settings.scope == "shared":  # allocated now (tens of ms), not in the first request
                     self._cross(_ANON_KEY, create=True)
             except Exception as exc:
@@ -678,8 +679,7 @@ class NgramSource:
             while n > 1 and dep[n - 1] == 1 and tok[n - 1] == 0:  # SGLang's padding (a real token 0 at the
                 n -= 1  # tail, childless at depth 1, is dropped with it: one candidate less, nothing wrong)
             tree = (tok[:n], par[:n], dep[:n])
-            # a chain (its deepest row as deep as it has rows below the root) has no siblings to put in order
-            out.append(_siblings_reversed(*tree) if self._reversed and dep[n - 1] < n - 1 else tree)
+            out.append(_siblings_reversed(*tree) if self._reversed else tree)
         return out
 
 
@@ -690,25 +690,17 @@ def _ancestor_rank(d: int) -> np.ndarray:
     return np.where(j[None, :] < j[:, None], j[None, :] + 1, 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _reversed_siblings(cls: Any) -> bool:
-    """:func:`sibling_order_reversed` of ``cls``, probed once per process."""
-    return sibling_order_reversed(cls)
-
-
 def _siblings_reversed(tokens: list[int], parents: list[int], depths: list[int]
                        ) -> tuple[list[int], list[int], list[int]]:
     """One lookup's tree (level order, row 0 the root) with every node's children in reverse order, again in level
-    order (:func:`sibling_order_reversed`); as it is where no node has two children."""
+    order (:func:`sibling_order_reversed`); as it is where it is one chain (its deepest row as deep as it has rows
+    below the root: no siblings to put in order)."""
     n = len(tokens)
-    children: list[list[int]] = [[] for _ in range(n)]
-    branched = False
-    for i in range(1, n):
-        kids = children[parents[i]]
-        branched = branched or bool(kids)
-        kids.append(i)
-    if not branched:
+    if depths[-1] == n - 1:
         return tokens, parents, depths
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]].append(i)
     order = [0]
     for node in order:  # level order, appended while walked
         order.extend(reversed(children[node]))

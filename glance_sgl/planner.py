@@ -830,14 +830,13 @@ class Planner:
             return
         mask = report.plan.drafted_for(report.batch)
         carried = [False] * report.batch
-        if report.rows > 1 and report.tree is not None and report.walk is not None \
-                and any(a >= CARRY_DRAFTS and not d for a, d in zip(report.accepted, mask)):
+        deep = [b for b, (a, d) in enumerate(zip(report.accepted, mask)) if a >= CARRY_DRAFTS and not d]
+        if deep and report.rows > 1 and report.tree is not None and report.walk is not None:
             parents = report.tree.parents.tolist()
             ends = report.walk.accepted_rows.tolist()
-            for b, (a, d) in enumerate(zip(report.accepted, mask)):
-                if a >= CARRY_DRAFTS and not d:
-                    last = ends[b][a]
-                    carried[b] = last > 0 and last not in parents[b]  # a leaf: the proposal ran out
+            for b in deep:
+                last = ends[b][report.accepted[b]]
+                carried[b] = last > 0 and last not in parents[b]  # a leaf: the proposal ran out
         for r, c in zip(report.rids, carried):
             st = self.state(r)
             st.carried = st.carried + 1 if c else 0
