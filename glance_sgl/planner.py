@@ -57,6 +57,13 @@ START_HOLD_LONG = 16  # ... and this many while they almost never do (share belo
 START_RARE = 0.1
 EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request drafts at once all the same, so a
 # return of requests the drafter knows is noticed even when their answers are shorter than the hold
+# ... and a new request drafts in its first round all the same while at least START_TRUST of recent requests' first
+# drafting rounds that had matches to beat beat them (their decayed share, START_DECAY): the gain tables remember
+# about a hundred rounds, so after a spell of traffic the drafter does not know, they priced the drafter at nothing
+# over the matches for the traffic it does know too, and requests that come back to it never drafted (the embedded
+# engine with both sources, 20 `wild` answers then 20 `text` ones: tau 2.8 on `text`, where its first explorer's
+# drafting round committed 8.5 tokens)
+START_TRUST = 0.5
 GAIN_EVIDENCE = 3.0  # a gain table of a rival bin with matches (one per bin) with fewer observations than this is
 # still being explored: a new request whose matches fall in its bin drafts in its first round (else the gate would
 # only ever read the table's prior there)
@@ -342,6 +349,10 @@ class Planner:
     # ... and of requests' first drafting rounds (a prior of one that paid)
     starts_paid: float = 1.0
     starts: float = 1.0
+    # ... of those that had the round of the sources without a model pass to beat, the share that beat it (no prior:
+    # none yet reads 0)
+    rival_starts_won: float = 0.0
+    rival_starts: float = 0.0
     new_requests: int = 0
     explore_debt: bool = False  # an explorer ended before its first round (a one-token request): the next explores
     cheap_ms: float | None = None  # measured ms per request of a lookup of the sources without a model pass
@@ -582,12 +593,21 @@ class Planner:
         tokens = sum(other) + sum(self.predicted_accept(rids[b], leads[b], rival_tokens=other[b]) for b in on)
         ms = round_ms + self.costs.draft_ms(len(on)) - self.costs.draft_ms(bs)
         if not tokens / ms > self.margin * rate:
-            # ... except a new request whose matches fall where the drafter's gain over them was hardly ever
-            # measured: the gate would weigh the table's prior forever (a template opening the matches know
-            # stands for the whole answer the drafter would draft), so its first round drafts and measures it
-            return [not off[b] and states[b].drafted_rounds == 0 and self.rival_bin(other[b]) > 0
-                    and self.gain_table(other[b]).seen < GAIN_EVIDENCE for b in range(bs)]
+            # ... except a new request whose first round the gain tables may misjudge (:meth:`_first_round_trusted`)
+            return [not off[b] and states[b].drafted_rounds == 0 and self._first_round_trusted(other[b])
+                    for b in range(bs)]
         return [not o for o in off]
+
+    def _first_round_trusted(self, rival_tokens: float) -> bool:
+        """Whether a new request drafts in its first round where the gain tables say drafting does not pay: while
+        at least ``START_TRUST`` of recent requests' first drafting rounds paid (against the matches' round where its
+        matches expect ``rival_tokens``, else against an AR step), or where the drafter's gain over such matches was
+        hardly ever measured (``GAIN_EVIDENCE``: a template opening the matches know would stand for the whole answer
+        the drafter drafts, and the gate would weigh the table's prior forever)."""
+        if self.rival_bin(rival_tokens) == 0:
+            return self.starts_paid >= START_TRUST * self.starts
+        return self.rival_starts_won >= START_TRUST * self.rival_starts > 0.0 \
+            or self.gain_table(rival_tokens).seen < GAIN_EVIDENCE
 
     @staticmethod
     def _rivals(alternative: "Plan | None", bs: int) -> list[float]:
@@ -925,6 +945,9 @@ class Planner:
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
                 self.starts_paid = START_DECAY * self.starts_paid + score
+                if rival is not None:
+                    self.rival_starts = START_DECAY * self.rival_starts + 1.0
+                    self.rival_starts_won = START_DECAY * self.rival_starts_won + float(paid)
             if st.drafted_rounds == 0 or st.paused:
                 self._probed(st, paid, score, yielded=paid_ar and not paid)
             st.drafted_rounds += 1

@@ -914,3 +914,55 @@ def test_a_request_its_matches_carry_round_after_round_is_retired():
     for _ in range(2 * CARRY_ROUNDS):
         round_(fixed, chain, [0, 1, 2, 3, 4])
     assert not fixed.state("r").retired
+
+
+def test_first_rounds_that_beat_the_matches_bring_new_requests_back_to_drafting():
+    """After traffic where the drafter added nothing over the n-gram matches (its gain tables, which remember about
+    a hundred rounds, price it at nothing there), requests whose first drafting rounds beat the matches again make
+    the next new request draft in its first round; where first rounds lose to the matches (replayed answers), new
+    requests keep to the matches."""
+    from glance_sgl.planner import Plan
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+    matches = Plan(3, [2.0], drafted=False, raw_accept=[1.0])  # each request's n-gram round: one draft expected
+    for _ in range(30):
+        planner.gain_table(2.0).observe(0.01, 0.0)
+
+    def drafts_first(rid: str) -> bool:
+        planner.begin(rid, 0.01)
+        return planner.draft_mask([rid], matches)[0]
+
+    def first_round(rid: str, accepted: int) -> None:
+        planner.begin(rid, 0.01)
+        plan = Plan(10, [1.0 + accepted], drafted=True, raw_accept=[float(accepted)])
+        planner.report(RoundReport([rid], plan, 11, [accepted], None, None, [0.01], alternative=matches, alone=[1]))
+
+    assert not drafts_first("new0"), "the gain table says the drafter adds nothing over these matches"
+    for i in range(3):
+        first_round(f"won{i}", 10)
+    assert drafts_first("new1"), "first rounds beat the matches again: a new request drafts at once"
+    for i in range(4):
+        first_round(f"lost{i}", 1)
+    assert not drafts_first("new2"), "first rounds lost to the matches: new requests keep to them"
+
+
+def test_first_rounds_that_pay_again_bring_new_requests_back_to_drafting_without_matches():
+    """The same without matches: after first rounds that did not pay over an AR step (the gain table of rounds
+    without matches learned nothing to draft for), first rounds that pay again make new requests draft at once."""
+    from glance_sgl.planner import Plan
+
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
+
+    def first_round(rid: str, accepted: int) -> None:
+        planner.begin(rid, 0.01)
+        plan = Plan(10, [1.0 + accepted], drafted=True, raw_accept=[float(accepted)])
+        planner.report(RoundReport([rid], plan, 11, [accepted], None, None, [0.01]))
+
+    for i in range(60):
+        first_round(f"unknown{i}", 0)
+    planner.begin("new0", 0.01)
+    assert not planner.draft_mask(["new0"])[0]
+    for i in range(2):
+        first_round(f"known{i}", 10)
+    planner.begin("new1", 0.01)
+    assert planner.state("new1").hold == 0 and planner.draft_mask(["new1"])[0]
