@@ -1,6 +1,7 @@
 """Before/after on this machine in one process: this checkout's engine against an earlier commit's engine.
 
     .venv/bin/python scripts/compare_commit.py --commit 2c6fa6d [--limit 40] [--max-tokens 96] [--json out.json]
+        [--tasks wild,text] [--mix]
 
 The earlier commit's ``glance_sgl`` is exported with ``git archive`` into a temporary folder and imported under
 another name (``glance_base``), so both engines load the same bundled checkpoints side by side. For every task
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import itertools
 import json
 import math
 import sys
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--tasks", default="caption,text,chart,document,open,wild")
+    ap.add_argument("--mix", action="store_true",
+                    help="the tasks' prompts interleaved one by one (mixed traffic) instead of task after task")
     ap.add_argument("--json")
     ap.add_argument("--cpu-clock", action="store_true",
                     help="one torch thread, and every timing in CPU time of this process instead of wall time: "
@@ -90,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     for fn in runs.values():
         fn(warm)
     tasks = args.tasks.split(",")
-    jobs = [(t, ex) for t in tasks for ex in bench_examples(t, args.limit)]
+    per_task = [[(t, ex) for ex in bench_examples(t, args.limit)] for t in tasks]
+    jobs = [job for group in itertools.zip_longest(*per_task) for job in group if job is not None] if args.mix \
+        else [job for group in per_task for job in group]
     tot = {t: {n: [0.0, 0, 0] for n in names} for t in tasks}  # decode ms, decode tokens, rounds
     same = {t: {n: 0 for n in names} for t in tasks}
     same_base = {t: 0 for t in tasks}
