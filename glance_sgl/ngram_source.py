@@ -203,6 +203,10 @@ class _Request:
     pending: list[HindsightTree] = field(default_factory=list)  # proposals awaiting their labels, oldest first
     pending_at: int = -1  # ``total`` when the newest pending proposal was made (one per position)
     streak: int = 0  # its latest committed tokens that its proposals had as first choices (ON_TRACK_TOKENS)
+    # a chain it was proposed (``CONTEXT_CHAIN``) broke: what it committed left the chain before the chain's end (an
+    # opening like an earlier answer's, over another picture). Its later chains are scored in its own context until
+    # it is on track again: the chain table is learned where chains hold (replayed answers)
+    chain_broken: bool = False
     # the tokens its prompt follows by another (an own lookup whose root is none of them finds nothing), while its
     # output goes to a cross-request corpus only; None: the own corpus takes its output too, every lookup runs
     starts: frozenset[int] | None = None
@@ -479,6 +483,10 @@ class NgramSource:
             latest = req.pending[-1] if req.pending and req.pending_at == req.total - len(tokens) else None
             hit, unbroken = latest.foreseen(tokens) if latest is not None else (0, False)
             req.streak = req.streak + hit if unbroken else 0
+            if req.streak >= ON_TRACK_TOKENS:
+                req.chain_broken = False
+            elif latest is not None and latest.context == CONTEXT_CHAIN and not unbroken:
+                req.chain_broken = True
             if not req.pending:
                 continue
             keep = []
@@ -568,8 +576,10 @@ class NgramSource:
         packed = []
         for b, trie in enumerate(tries):
             if len(trie) > 1:
-                # a lookup that found one long chain is scored by the tables of such lookups (a replayed answer)
-                context = CONTEXT_CHAIN if b in chained else self.context(rids[b])
+                # a lookup that found one long chain is scored by the tables of such lookups (a replayed answer),
+                # unless a chain of this request broke since it was last on track
+                context = CONTEXT_CHAIN if b in chained and not self._requests[rids[b]].chain_broken \
+                    else self.context(rids[b])
                 if context not in logs:
                     logs[context] = table.log_table(SOURCE_NGRAM, context)
                 ranks = trie.rescore(logs[context], SOURCE_NGRAM)

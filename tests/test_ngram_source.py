@@ -459,6 +459,35 @@ def test_a_lookup_that_finds_one_long_chain_is_scored_and_labelled_as_a_chain():
     assert float(acc.cells(SOURCE_NGRAM, CONTEXT_ANY)[1].sum()) > 0.0
 
 
+def test_a_request_whose_chain_broke_scores_its_chains_by_its_own_record_until_on_track():
+    """A chain that breaks (the request committed something else before its end: an opening like an earlier
+    answer's, over another picture) sends the request's later chains to its own context: they are scored and
+    labelled there, not by the chain table, which is learned where chains hold. Once its proposals' first choices
+    are taken ``ON_TRACK_TOKENS`` times in a row, its chains are scored as chains again."""
+    from glance_sgl.ngram_source import ON_TRACK_TOKENS
+
+    passage = list(range(100, 130))
+    src = NgramSource(small(scope="shared", max_nodes=4, max_depth=13))
+    acc = NgramCandidates(src, SourceAcceptance(max_depth=13, decay=1.0)).acceptance
+    hits, tries = acc.cells(SOURCE_NGRAM, CONTEXT_CHAIN)
+    hits += 50.0  # a learned chain table: every node taken
+    tries += 50.0
+    answer(src, "first", None, passage)
+    src.add_request("other", [1, 2, 3])
+    src.commit("other", passage[:2])
+    trusted = src.propose(["other"], rows=14, acceptance=acc)
+    assert trusted.scores[0, 1:].min() > math.log(0.7)
+    src.commit("other", [passage[2], 999])  # the chain breaks at its second node
+    src.commit("other", passage[8:10])  # ... and the answer comes back to the passage further on
+    distrusted = src.propose(["other"], rows=14, acceptance=acc)
+    assert int(distrusted.depths.max()) == 13, "still the whole chain..."
+    assert distrusted.scores[0, 1:].min() < math.log(0.1), "... scored by the request's own context (prior 0.5)"
+    src.commit("other", passage[10:10 + ON_TRACK_TOKENS])  # its first choices, taken: on track
+    again = src.propose(["other"], rows=14, acceptance=acc)
+    assert again.scores[0, 1:].min() > math.log(0.7), "on track: a chain again"
+    src.finish("other")
+
+
 def test_queued_inserts_reach_lookups_and_never_another_tenant():
     """Inserts wait until a lookup reads their corpus (one insert call per lookup, not per round): a lookup sees
     everything committed before it, and an evicted tenant's queued n-grams are dropped with its corpus, not
