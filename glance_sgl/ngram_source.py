@@ -636,14 +636,14 @@ class NgramSource:
             q.order = (i,)
         if not queries:  # scope off: the own corpora alone
             queries, own = own, []
-        found: list[tuple[int, int, list[int], list[int], list[int]]] = []  # (order, batch index, tokens, ...)
+        # (order, batch index, tokens, parent rows): a lookup's tree, whose row 0 is the proposal's root or, for a
+        # chain's continuation, the end of the chain it continues
+        found: list[tuple[tuple, int, list[int], list[int]]] = []
         chained_any: set[int] = set()
         while queries:
             chains: list[_Query] = []
             for q, (tok, par, dep) in zip(queries, self._match(queries)):
-                found.append((q.order, q.b, [t - q.offset for t in q.prefix + tok[1:]],
-                              q.parents + [p + len(q.prefix) - 1 for p in par[1:]],
-                              q.depths + [x + q.depth for x in dep[1:]]))
+                found.append((q.order, q.b, [t - q.offset for t in tok] if q.offset else tok, par))
                 if len(tok) == s.max_nodes + 1 and dep[-1] == s.max_nodes and q.depth + s.max_nodes < s.max_depth:
                     chains.append(q.extend(tok, s.max_trie_depth))
             # the own corpora (the prompt's matches) where the cross-request lookup found no single long chain:
@@ -652,8 +652,11 @@ class NgramSource:
             chained_any |= chained
             queries, own = chains + [q for q in own if q.b not in chained], []
         found.sort(key=lambda f: f[0])
-        for _, b, tok, par, dep in found:
-            tries[b].add_tree(tok, par, [0.0] * len(tok), [SOURCE_NGRAM] * len(tok), s.max_depth)
+        ends: dict[tuple, int] = {}  # a chain lookup's order -> the trie node of its last row
+        for order, b, tok, par in found:
+            nodes = tries[b].add_tree(tok, par, [0.0] * len(tok), [SOURCE_NGRAM] * len(tok), s.max_depth,
+                                      under=ends.get(order[:-1], 0) if len(order) > 1 else 0)
+            ends[order] = nodes[-1]
         return chained_any
 
     def _match(self, queries: Sequence["_Query"]) -> list[tuple[list[int], list[int], list[int]]]:
@@ -750,10 +753,8 @@ def chain_state(state: str) -> str:
 class _Query:
     """One corpus lookup of a proposal: batch index ``b``, the ``corpus`` and its match-state id ``state``, the
     ``context`` (the last ``max_trie_depth`` tokens, in the corpus's ids: ``offset`` plus the token) and the tokens
-    so far ``total``; a chain's continuation also
-    carries the rows above it (``prefix`` tokens, ``parents``, ``depths``: the original root to the chain's end, the
-    continuation's root) and its place among the proposal's lookups (``order``: it joins the tree right after the
-    lookup it continues)."""
+    so far ``total``; ``depth``: its root's depth in the proposal (a chain's continuation: the chain's end); ``order``:
+    its place among the proposal's lookups (a continuation joins the tree right after the lookup it continues)."""
 
     b: int
     corpus: Any
@@ -761,28 +762,15 @@ class _Query:
     context: list[int]
     total: int
     offset: int = 0
-    prefix: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=lambda: [-1])
-    depths: list[int] = field(default_factory=lambda: [0])
+    depth: int = 0
     order: tuple = ()
-
-    def __post_init__(self) -> None:
-        if not self.prefix:
-            self.prefix = [self.context[-1]]
-
-    @property
-    def depth(self) -> int:
-        """The depth of this lookup's root in the proposal."""
-        return self.depths[-1]
 
     def extend(self, chain: list[int], context_len: int) -> "_Query":
         """The lookup of the continuation of ``chain`` (this lookup's result: its root, then one token per depth)
         from its last ``context_len`` tokens, under a match state of its own (:func:`chain_state`)."""
-        n, k = len(self.prefix), len(chain) - 1
+        k = len(chain) - 1
         return _Query(self.b, self.corpus, chain_state(self.state), (self.context + chain[1:])[-context_len:],
-                      self.total + k, self.offset, self.prefix + chain[1:],
-                      self.parents + list(range(n - 1, n + k - 1)),
-                      self.depths + [self.depth + j for j in range(1, k + 1)], self.order + (1,))
+                      self.total + k, self.offset, self.depth + k, self.order + (1,))
 
 
 class NgramCandidates:

@@ -332,16 +332,19 @@ class CandidateTrie:
         return node
 
     def add_tree(self, tokens: Sequence[int], parents: Sequence[int], scores: Sequence[float], tags: Sequence[int],
-                 max_depth: int | None = None) -> None:
-        """Rows 1.. of one packed tree (row 0 is the root; every parent row before its children). Padding rows
-        (tag ``SOURCE_NONE``), rows deeper than ``max_depth`` and their descendants are left out."""
-        node_of = [0] + [-1] * (len(tokens) - 1)
-        add, depths, top = self.add, self.depths, len(tokens) if max_depth is None else max_depth
+                 max_depth: int | None = None, under: int = 0) -> list[int]:
+        """Rows 1.. of one packed tree (row 0 is the root, or the trie's node ``under``, whose token it carries;
+        every parent row before its children). Padding rows (tag ``SOURCE_NONE``), rows deeper than ``max_depth`` in
+        the trie and their descendants are left out. Returns every row's node (-1: left out)."""
+        node_of = [under] + [-1] * (len(tokens) - 1)
+        add, depths = self.add, self.depths
+        top = depths[under] + len(tokens) if max_depth is None else max_depth
         for r in range(1, len(tokens)):
             p = parents[r]
             if tags[r] == SOURCE_NONE or p < 0 or p >= r or node_of[p] < 0 or depths[node_of[p]] >= top:
                 continue
             node_of[r] = add(node_of[p], tokens[r], scores[r], tags[r])
+        return node_of
 
     def rescore(self, log_table: Sequence[Sequence[float]], tag: int) -> list[int]:
         """Scores of every node tagged ``tag`` alone (e.g. n-gram nodes, which carry no probabilities) from a

@@ -664,3 +664,20 @@ def test_a_truncated_tree_keeps_each_requests_prefix_and_detaches_the_rest():
     assert tagged.sources[0].tolist() == [SOURCE_NGRAM, SOURCE_NGRAM, SOURCE_NONE, SOURCE_NONE]
     committed = torch.tensor([[6, 7, 8, 9], [6, 7, 8, 9]])
     assert accepted_alone(cut, committed).tolist() == [1, 3]
+
+
+def test_a_tree_added_under_a_node_is_the_same_as_its_whole_path():
+    """``CandidateTrie.add_tree(..., under=node)`` hangs a tree's rows under an existing node (a chain's
+    continuation under the chain's end): the same trie as adding the whole path from the root again, and the depth
+    cap counts from the root."""
+    from glance_sgl.tree import CandidateTrie
+
+    chain, more = [5, 6, 7, 8], [8, 9, 10]  # the continuation's row 0 is the chain's end
+    a, b = CandidateTrie(5), CandidateTrie(5)
+    ends = a.add_tree(chain, [-1, 0, 1, 2], [0.0] * 4, [SOURCE_NGRAM] * 4, max_depth=4)
+    assert ends == [0, 1, 2, 3]
+    assert a.add_tree(more, [-1, 0, 1], [0.0] * 3, [SOURCE_NGRAM] * 3, max_depth=4, under=ends[-1]) == [3, 4, -1]
+    b.add_tree(chain, [-1, 0, 1, 2], [0.0] * 4, [SOURCE_NGRAM] * 4, max_depth=4)
+    b.add_tree(chain + more[1:], [-1, 0, 1, 2, 3, 4], [0.0] * 6, [SOURCE_NGRAM] * 6, max_depth=4)
+    assert (a.tokens, a.parents, a.depths) == (b.tokens, b.parents, b.depths) == (
+        [5, 6, 7, 8, 9], [-1, 0, 1, 2, 3], [0, 1, 2, 3, 4])
