@@ -427,20 +427,27 @@ def test_a_long_verbatim_copy_is_proposed_deeper_than_one_lookup(scope):
     assert {p[:2] for p in paths_of(tree)} >= {(10, 11), (30, 31)} and int(tree.depths.max()) <= 4
 
 
+def _replay_with_a_learned_chain_table(rid: str):
+    """A shared corpus holding one answer (a 30-token passage), a chain table that learned every node is taken, and
+    request ``rid`` two tokens into the passage: (passage, source, acceptance)."""
+    passage = list(range(100, 130))
+    src = NgramSource(small(scope="shared", max_nodes=4, max_depth=13))
+    acc = NgramCandidates(src, SourceAcceptance(max_depth=13, decay=1.0)).acceptance
+    hits, tries = acc.cells(SOURCE_NGRAM, CONTEXT_CHAIN)
+    hits += 50.0
+    tries += 50.0
+    answer(src, "first", None, passage)
+    src.add_request(rid, [1, 2, 3])
+    src.commit(rid, passage[:2])
+    return passage, src, acc
+
+
 def test_a_lookup_that_finds_one_long_chain_is_scored_and_labelled_as_a_chain():
     """A proposal whose lookup found one chain as deep as a lookup goes (a replayed answer) is scored by the chain
     context's table, and its hindsight labels go there: a replay takes nearly every node of such a chain, where
     other matches' deep nodes often fail, and one table for both scored replays at half what they commit. A
     lookup that branches stays in its request's own context."""
-    passage = list(range(100, 130))
-    src = NgramSource(small(scope="shared", max_nodes=4, max_depth=13))
-    acc = NgramCandidates(src, SourceAcceptance(max_depth=13, decay=1.0)).acceptance
-    hits, tries = acc.cells(SOURCE_NGRAM, CONTEXT_CHAIN)
-    hits += 50.0  # a learned chain table: every node taken
-    tries += 50.0
-    answer(src, "first", None, passage)
-    src.add_request("copy", [1, 2, 3])
-    src.commit("copy", passage[:2])
+    passage, src, acc = _replay_with_a_learned_chain_table("copy")
     chain = src.propose(["copy"], rows=14, acceptance=acc)
     # scored by the chain table (0.98 a node), not the prior (0.5 a node): 13 deep, still above 0.7
     assert int(chain.depths.max()) == 13 and chain.scores[0, 1:].min() > math.log(0.7)
@@ -466,15 +473,7 @@ def test_a_request_whose_chain_broke_scores_its_chains_by_its_own_record_until_o
     are taken ``ON_TRACK_TOKENS`` times in a row, its chains are scored as chains again."""
     from glance_sgl.ngram_source import ON_TRACK_TOKENS
 
-    passage = list(range(100, 130))
-    src = NgramSource(small(scope="shared", max_nodes=4, max_depth=13))
-    acc = NgramCandidates(src, SourceAcceptance(max_depth=13, decay=1.0)).acceptance
-    hits, tries = acc.cells(SOURCE_NGRAM, CONTEXT_CHAIN)
-    hits += 50.0  # a learned chain table: every node taken
-    tries += 50.0
-    answer(src, "first", None, passage)
-    src.add_request("other", [1, 2, 3])
-    src.commit("other", passage[:2])
+    passage, src, acc = _replay_with_a_learned_chain_table("other")
     trusted = src.propose(["other"], rows=14, acceptance=acc)
     assert trusted.scores[0, 1:].min() > math.log(0.7)
     src.commit("other", [passage[2], 999])  # the chain breaks at its second node
