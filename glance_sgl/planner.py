@@ -58,11 +58,11 @@ START_RARE = 0.1
 EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request drafts at once all the same, so a
 # return of requests the drafter knows is noticed even when their answers are shorter than the hold
 # ... and a new request drafts in its first round all the same while at least START_TRUST of recent requests' first
-# drafting rounds that had matches to beat beat them (their decayed share, START_DECAY): the gain tables remember
-# about a hundred rounds, so after a spell of traffic the drafter does not know, they priced the drafter at nothing
-# over the matches for the traffic it does know too, and requests that come back to it never drafted (the embedded
-# engine with both sources, 20 `wild` answers then 20 `text` ones: tau 2.8 on `text`, where its first explorer's
-# drafting round committed 8.5 tokens)
+# drafting rounds paid (against the matches' round where it has matches: a decayed share of its own, START_DECAY;
+# else the share above): the gain tables remember about a hundred rounds, so after a spell of traffic the drafter
+# does not know they priced it at nothing over the matches, also for the traffic it does know, and requests that
+# came back to it kept to their matches (the embedded engine with both sources, 20 `wild` answers then 20 `text`
+# ones: the `text` answers after the explorer's, 8.5 tokens a round, ran at tau 2.7-3.4)
 START_TRUST = 0.5
 GAIN_EVIDENCE = 3.0  # a gain table of a rival bin with matches (one per bin) with fewer observations than this is
 # still being explored: a new request whose matches fall in its bin drafts in its first round (else the gate would
