@@ -58,11 +58,12 @@ START_RARE = 0.1
 EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request drafts at once all the same, so a
 # return of requests the drafter knows is noticed even when their answers are shorter than the hold
 # ... and a new request drafts in its first round all the same while at least START_TRUST of recent requests' first
-# drafting rounds paid (against the matches' round where it has matches: a decayed share of its own, START_DECAY;
-# else the share above): the gain tables remember about a hundred rounds, so after a spell of traffic the drafter
-# does not know they priced it at nothing over the matches, also for the traffic it does know, and requests that
-# came back to it kept to their matches (the embedded engine with both sources, 20 `wild` answers then 20 `text`
-# ones: the `text` answers after the explorer's, 8.5 tokens a round, ran at tau 2.7-3.4)
+# drafting rounds beat what it would run instead (the matches' round, of those that had matches, where it has
+# matches; else an AR step; decayed shares, START_DECAY, with no prior: none measured, none trusted): the gain
+# tables remember about a hundred rounds, so after a spell of traffic the drafter does not know they priced it at
+# nothing over the matches, also for the traffic it does know, and requests that came back to it kept to their
+# matches (the embedded engine with both sources, 20 `wild` answers then 20 `text` ones: the `text` answers after
+# the explorer's, 8.5 tokens a round, ran at tau 2.7-3.4)
 START_TRUST = 0.5
 GAIN_EVIDENCE = 3.0  # a gain table of a rival bin with matches (one per bin) with fewer observations than this is
 # still being explored: a new request whose matches fall in its bin drafts in its first round (else the gate would
@@ -349,10 +350,10 @@ class Planner:
     # ... and of requests' first drafting rounds (a prior of one that paid)
     starts_paid: float = 1.0
     starts: float = 1.0
-    # ... of those that had the round of the sources without a model pass to beat, the share that beat it (no prior:
-    # none yet reads 0)
-    rival_starts_won: float = 0.0
-    rival_starts: float = 0.0
+    # ... and, decayed with no prior (START_TRUST), those that beat an AR step out of all of them, and those that beat
+    # the matches' round out of those that had matches: [AR step, matches]
+    starts_beat: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    starts_seen: list[float] = field(default_factory=lambda: [0.0, 0.0])
     new_requests: int = 0
     explore_debt: bool = False  # an explorer ended before its first round (a one-token request): the next explores
     cheap_ms: float | None = None  # measured ms per request of a lookup of the sources without a model pass
@@ -604,10 +605,9 @@ class Planner:
         matches expect ``rival_tokens``, else against an AR step), or where the drafter's gain over such matches was
         hardly ever measured (``GAIN_EVIDENCE``: a template opening the matches know would stand for the whole answer
         the drafter drafts, and the gate would weigh the table's prior forever)."""
-        if self.rival_bin(rival_tokens) == 0:
-            return self.starts_paid >= START_TRUST * self.starts
-        return self.rival_starts_won >= START_TRUST * self.rival_starts > 0.0 \
-            or self.gain_table(rival_tokens).seen < GAIN_EVIDENCE
+        kind = int(self.rival_bin(rival_tokens) > 0)
+        trusted = self.starts_beat[kind] >= START_TRUST * self.starts_seen[kind] > 0.0
+        return trusted or (kind == 1 and self.gain_table(rival_tokens).seen < GAIN_EVIDENCE)
 
     @staticmethod
     def _rivals(alternative: "Plan | None", bs: int) -> list[float]:
@@ -945,9 +945,9 @@ class Planner:
             if st.drafted_rounds == 0:
                 self.starts = START_DECAY * self.starts + 1.0
                 self.starts_paid = START_DECAY * self.starts_paid + score
-                if rival is not None:
-                    self.rival_starts = START_DECAY * self.rival_starts + 1.0
-                    self.rival_starts_won = START_DECAY * self.rival_starts_won + float(paid)
+                for kind, beat in ((0, paid_ar), (1, paid)) if rival is not None else ((0, paid_ar),):
+                    self.starts_seen[kind] = START_DECAY * self.starts_seen[kind] + 1.0
+                    self.starts_beat[kind] = START_DECAY * self.starts_beat[kind] + float(beat)
             if st.drafted_rounds == 0 or st.paused:
                 self._probed(st, paid, score, yielded=paid_ar and not paid)
             st.drafted_rounds += 1
