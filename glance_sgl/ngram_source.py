@@ -652,10 +652,10 @@ class NgramSource:
             chained_any |= chained
             queries, own = chains + [q for q in own if q.b not in chained], []
         found.sort(key=lambda f: f[0])
-        ends: dict[tuple, int] = {}  # a chain lookup's order -> the trie node of its last row
-        for order, b, tok, par in found:
+        ends: dict[tuple, int] = {}  # a lookup's order -> the trie node of its last row (a chain's end)
+        for order, b, tok, par in found:  # a first lookup's order[:-1] is (), no lookup's: it hangs under the root
             nodes = tries[b].add_tree(tok, par, [0.0] * len(tok), [SOURCE_NGRAM] * len(tok), s.max_depth,
-                                      under=ends.get(order[:-1], 0) if len(order) > 1 else 0)
+                                      under=ends.get(order[:-1], 0))
             ends[order] = nodes[-1]
         return chained_any
 
