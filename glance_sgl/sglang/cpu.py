@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import multiprocessing
 import os
 import sys
 import types
@@ -210,20 +211,33 @@ def _kv_pool_warmup_hook(original, pool, *args, **kwargs):
     return None
 
 
+def _fork_on_cpu_hook(result, server_args, *args, **kwargs):
+    """AFTER ``sglang.srt.entrypoints.engine._set_envs_and_config``, which sets multiprocessing's start method to
+    "spawn" (CUDA cannot be forked): a CPU server forks its scheduler and detokenizer instead. A spawned child
+    imports SGLang again, about 10 s of CPU each on 2 cores (an engine's start-up: 33 s of CPU spawned, 14 s
+    forked); nothing in the parent has started threads or an OpenMP pool by then. Other devices keep "spawn"."""
+    if str(getattr(server_args, "device", "")) == "cpu":
+        multiprocessing.set_start_method("fork", force=True)
+    return result
+
+
 def register_cpu_hooks() -> None:
-    """The CPU mode's changes to SGLang's functions, as SGLang HookRegistry AROUND hooks (applied by
-    ``load_plugins``, idempotent): the torch ports of the speculative bookkeeping ops (chosen per call by the
-    tensors' device, so a GPU process keeps SGLang's kernels) and the CPU KV pool's warm-up."""
+    """The CPU mode's changes to SGLang's functions, as SGLang HookRegistry hooks (applied by ``load_plugins``,
+    idempotent): the torch ports of the speculative bookkeeping ops (chosen per call by the tensors' device, so a
+    GPU process keeps SGLang's kernels), the CPU KV pool's warm-up, and forked rather than spawned processes for
+    a CPU server (:func:`_fork_on_cpu_hook`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    def register(target: str, hook) -> None:
+    def register(target: str, hook, kind: HookType = HookType.AROUND) -> None:
         if not any(getattr(h, "__glance_cpu__", False) for _, h, _ in HookRegistry._hooks.get(target, [])):
-            HookRegistry.register(target, hook, HookType.AROUND)
+            HookRegistry.register(target, hook, kind)
 
     for module, name, port, tensor_arg in CPU_PORTS:
         register(f"{module}.{name}", _port_hook(port, tensor_arg))
     _kv_pool_warmup_hook.__glance_cpu__ = True
     register("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup", _kv_pool_warmup_hook)
+    _fork_on_cpu_hook.__glance_cpu__ = True
+    register("sglang.srt.entrypoints.engine._set_envs_and_config", _fork_on_cpu_hook, HookType.AFTER)
     HookRegistry.apply_hooks()  # idempotent; also when registered outside load_plugins (tests, scripts)
 
 

@@ -350,3 +350,27 @@ def test_draft_pool_bytes_join_sglangs_kv_cell_size(tmp_path, plugins_loaded, mo
                                                             is_draft_worker=False,
                                                             model_config=SimpleNamespace(dtype=torch.float32)))
     assert conf._cell_size == 1000
+
+
+def test_a_cpu_server_forks_its_processes_and_a_gpu_server_spawns_them(plugins_loaded):
+    """SGLang spawns its scheduler and detokenizer (CUDA cannot be forked); on a CPU each spawned child imports
+    SGLang again, about 10 s of CPU on 2 cores, so the CPU mode forks them: an AFTER hook on the function that
+    sets the start method, for the CPU device only."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from glance_sgl.sglang import cpu
+
+    target = "sglang.srt.entrypoints.engine._set_envs_and_config"
+    assert any(hook is cpu._fork_on_cpu_hook for _, hook, _ in HookRegistry._hooks[target])
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        multiprocessing.set_start_method("spawn", force=True)
+        assert cpu._fork_on_cpu_hook("kept", SimpleNamespace(device="cuda")) == "kept"
+        assert multiprocessing.get_start_method() == "spawn"
+        assert cpu._fork_on_cpu_hook(None, SimpleNamespace(device="cpu")) is None
+        assert multiprocessing.get_start_method() == "fork"
+    finally:
+        multiprocessing.set_start_method(before, force=True)
