@@ -175,6 +175,7 @@ def build_app(args: argparse.Namespace):
             _fail(f"--draft-sources {args.draft_sources}: {exc}")
         print(f"glance serve: drafting from the drafter alone ({exc})", file=sys.stderr)
         engine = load(draft_sources=("drafter",))
+    engine.freeze_gc()  # the start-up objects leave the collector's view, as SGLang's server does after its warm-up
     backend = EmbeddedBackend(engine, config)
     return create_app(config, backend, engine.target.processor), f"embedded {model} + {drafter or 'no drafter'}"
 

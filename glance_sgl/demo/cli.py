@@ -46,6 +46,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise CLIError(f"--sweep: {exc}") from None
     torch.manual_seed(0)
     engine = GlanceEngine.load(model, drafter, budget=args.budget, branch_k=args.branch_k)
+    engine.freeze_gc()  # as a served engine (glance serve): no full collection walks the start-up objects mid-run
     if sweep:
         result = run_sweep(engine, sweep, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks,
                            planners=planners)
