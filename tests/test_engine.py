@@ -172,8 +172,8 @@ def test_freeze_gc_takes_the_start_up_objects_out_of_full_collections(engine, me
     import gc
 
     try:
-        frozen = engine.freeze_gc()
-        assert frozen == gc.get_freeze_count() > 10_000
+        assert engine.freeze_gc() > 10_000  # (a frozen object that dies leaves the count: it only shrinks)
+        assert gc.get_freeze_count() > 10_000
         assert engine.generate(messages, SamplingParams(max_tokens=4)).metrics.completion_tokens == 4
     finally:
         gc.unfreeze()
