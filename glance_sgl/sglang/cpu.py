@@ -214,7 +214,7 @@ def _kv_pool_warmup_hook(original, pool, *args, **kwargs):
 def _fork_on_cpu_hook(result, server_args, *args, **kwargs):
     """AFTER ``sglang.srt.entrypoints.engine._set_envs_and_config``, which sets multiprocessing's start method to
     "spawn" (CUDA cannot be forked): a CPU server forks its scheduler and detokenizer instead. A spawned child
-    imports SGLang again, about 10 s of CPU each on 2 cores (an engine's start-up: 33 s of CPU spawned, 14 s
+    imports SGLang again, about 10 s of CPU each on 2 cores (an engine's start-up: 33 s of CPU spawned, 12 s
     forked); nothing in the parent has started threads or an OpenMP pool by then. Other devices keep "spawn"."""
     if str(getattr(server_args, "device", "")) == "cpu":
         multiprocessing.set_start_method("fork", force=True)

@@ -17,6 +17,7 @@ request lists (the demo's evaluation prompts; pictures and prompts unlike them).
 from __future__ import annotations
 
 import base64
+import gc
 import io
 import json
 import os
@@ -208,8 +209,6 @@ def _generate(llm, requests: list[dict[str, Any]], concurrent: bool, concurrency
 
 
 def _info(llm) -> dict[str, Any]:
-    import gc
-
     info = llm.get_server_info()
     keep = ("max_total_num_tokens", "internal_states", "speculative_algorithm", "attention_backend",
             "disable_overlap_schedule")
