@@ -471,26 +471,29 @@ class Planner:
 
     def cheap_rows(self, rids: Sequence[object], rows: int) -> list[int]:
         """Rows per request (root included) for the candidate sources without a model pass this round; 1: no
-        lookup. A request whose drafting is on skips the lookup where what lookups added to its drafting rounds
-        is worth less than the lookup costs: the share of a round's committed tokens that no drafter node proposed
-        (its own record, with the record over all requests as a prior worth ``NGRAM_PRIOR`` rounds) times its share
-        of a round's ms, against the measured ms per lookup (``cheap_ms``). It looks again after
-        ``NGRAM_RECHECK`` skipped rounds, and so does every ``NGRAM_RECHECK``-th skip over all requests (so the
-        record over all requests stays current where answers last a few rounds); and whenever its drafting is off
-        (the lookup is then the round's only candidates). A request that has not drafted yet looks in a batch of
-        several (its lookup is its own record's first entry, and the batch's drafter pass is every request's cost:
-        new requests in a batch of 16 that skipped theirs sent replayed answers through SGLang to the drafter,
-        0.76-0.91x of the round with their lookups); alone in its batch, it is judged by what the lookups of
-        recent such requests gave their rounds (``lookups_first``: first drafting rounds and rounds without the
-        drafter; the over-all record as a prior worth ``NGRAM_PRIOR`` rounds), and every ``FIRST_RECHECK``-th such
-        skip looks all the same. Only the "auto" mode decides; the others always look."""
+        lookup. Every request of a batch of several looks: the drafter pass costs by the requests it drafts for, and
+        the gate can leave a request out of it only where it knows the round its matches allow (new requests at 16
+        in flight that skipped their lookups sent replayed answers through the drafter, 0.76-0.91x of the round with
+        their lookups; drafting requests that skipped theirs, the same at 8 and 32 in flight: 0.97 and 0.87 of
+        NGRAM against 1.01 and 0.94 looking, docs/planner.md). So does a request whose drafting is off (the lookup
+        is then the round's only candidates). A drafting request alone in its batch (every embedded request) skips
+        the lookup where what lookups added to its drafting rounds is worth less than the lookup costs: the share
+        of a round's committed tokens that no drafter node proposed (its own record, with the record over all
+        requests as a prior worth ``NGRAM_PRIOR`` rounds) times its share of a round's ms, against the measured ms
+        per lookup (``cheap_ms``), unless the matches' round alone would come close to the drafting round
+        (:meth:`_lookup_pays`). It looks again after ``NGRAM_RECHECK`` skipped rounds, and so does every
+        ``NGRAM_RECHECK``-th skip over all requests (so the record over all requests stays current where answers
+        last a few rounds). One that has not drafted yet is judged by what the lookups of recent such requests gave
+        their rounds (``lookups_first``: first drafting rounds and rounds without the drafter; the over-all record
+        as a prior worth ``NGRAM_PRIOR`` rounds), and every ``FIRST_RECHECK``-th such skip looks all the same.
+        Only the "auto" mode decides; the others always look."""
         bs = len(rids)
         if self.mode != "auto" or self.cheap_ms is None or self.lookups_all.looks < NGRAM_PRIOR:
             return [rows] * bs
         out = []
         for r in rids:
             st = self.state(r)
-            if st.drafting_off or (st.drafted_rounds == 0 and bs > 1):
+            if st.drafting_off or bs > 1:
                 skip = False
             elif st.drafted_rounds == 0:
                 skip = self.lookups_first.looks > 0 and not self._lookup_pays(

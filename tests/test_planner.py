@@ -671,26 +671,31 @@ def _merged_round(planner: Planner, rid: str, ngram_only: int, accepted: int = 6
 
 
 def test_lookups_are_skipped_for_drafting_requests_they_add_nothing_to():
-    """The sources without a model pass are looked up for a drafting request only where their candidates add to
-    its rounds what the lookup costs: a request the drafter serves alone skips them (every NGRAM_RECHECK-th skip
-    over all requests looks after all, and so does a request after NGRAM_RECHECK skips), one whose accepted paths
-    hold n-gram-only nodes keeps looking, and so does one whose matches alone would accept nearly as much (their
-    round may replace the drafter's); a request whose drafting is off always looks, and the fixed planner never
-    decides."""
+    """The sources without a model pass are looked up for a drafting request alone in its batch only where their
+    candidates add to its rounds what the lookup costs: a request the drafter serves alone skips them (every
+    NGRAM_RECHECK-th skip over all requests looks after all, and so does a request after NGRAM_RECHECK skips), one
+    whose accepted paths hold n-gram-only nodes keeps looking, and so does one whose matches alone would accept
+    nearly as much (their round may replace the drafter's); a request whose drafting is off always looks, every
+    request of a batch of several looks (the gate can leave a request out of the batch's drafter pass only where it
+    knows its matches), and the fixed planner never decides."""
     from glance_sgl.planner import NGRAM_RECHECK
 
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=15)
     assert planner.cheap_rows(["a"], 16) == [16], "nothing measured yet: look"
+    names = ["served", "copied", "replayed"]
     for i in range(6):
-        planner.cheap_rows(["served", "copied", "replayed"], 16)
+        for name in names:
+            planner.cheap_rows([name], 16)
         _merged_round(planner, "served", ngram_only=0)
         _merged_round(planner, "copied", ngram_only=4)
         _merged_round(planner, "replayed", ngram_only=0, alone=6)
-    looks = [planner.cheap_rows(["served", "copied", "replayed"], 16) for _ in range(3 * NGRAM_RECHECK)]
+    looks = [[planner.cheap_rows([name], 16)[0] for name in names] for _ in range(3 * NGRAM_RECHECK)]
     assert all(rows[1] == 16 for rows in looks), "the lookups pay for the request they add to"
     assert all(rows[2] == 16 for rows in looks), "... and for the one whose matches alone could do the round"
     served = [rows[0] for rows in looks]
     assert served.count(1) > len(served) // 2 and 16 in served, "skipped, with a look now and then"
+    assert all(planner.cheap_rows(names, 16) == [16] * 3 for _ in range(2 * NGRAM_RECHECK)), \
+        "in a batch of several every request looks"
     st = planner.state("served")
     st.paused = True  # drafting off: the lookup is the round
     assert planner.cheap_rows(["served"], 16) == [16]
