@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .acceptance import CONTEXT_ANY, CONTEXT_CHAIN, CONTEXT_ON_TRACK, HindsightTree, SourceAcceptance
-from .tree import SOURCE_NGRAM, CandidateTrie, DraftTree, _rows_per_request, pack_trees
+from .tree import SOURCE_NGRAM, CandidateTrie, DraftTree, _rows_per_request, is_chain, pack_trees
 
 log = logging.getLogger(__name__)
 
@@ -708,9 +708,9 @@ def _siblings_reversed(tokens: list[int], parents: list[int], depths: list[int]
     """One lookup's tree (level order, row 0 the root) with every node's children in reverse order, again in level
     order (:func:`sibling_order_reversed`); as it is where it is one chain (its deepest row as deep as it has rows
     below the root: no siblings to put in order)."""
-    n = len(tokens)
-    if depths[-1] == n - 1:
+    if is_chain(depths):
         return tokens, parents, depths
+    n = len(tokens)
     children: list[list[int]] = [[] for _ in range(n)]
     for i in range(1, n):
         children[parents[i]].append(i)

@@ -284,6 +284,12 @@ def _pointer_rows(parents: list[int]) -> tuple[list[int], list[int]]:
 
 
 # ------------------------------------------------------------------------------------------ candidate sources
+def is_chain(depths: Sequence[int]) -> bool:
+    """Whether a tree whose rows (parents before children, row 0 the root) have these ``depths`` is one chain: its
+    last row is as deep as there are rows below the root, so its path holds every row, in row order."""
+    return depths[-1] == len(depths) - 1
+
+
 class CandidateTrie:
     """One request's candidates from any number of sources, as a trie over token paths (host lists).
 
@@ -373,7 +379,7 @@ class CandidateTrie:
         parent rows, depths, scores, tags. A frontier walk from the root (pop the best-scored node whose parent is
         packed, ties in creation order), so the rows are prefix-closed and parents precede children whatever the
         scores; where scores do not increase along paths the rows are the best-scored prefix-closed set."""
-        if self.depths[-1] == len(self.tokens) - 1:  # one chain (its last node's path holds every node): in order
+        if is_chain(self.depths):  # in order
             k = min(nodes, len(self.tokens) - 1) + 1
             return self.tokens[:k], self.parents[:k], self.depths[:k], self.scores[:k], self.tags[:k]
         tok, par, dep, sco, tag = [self.tokens[0]], [-1], [0], [0.0], [SOURCE_NONE]

@@ -681,3 +681,11 @@ def test_a_tree_added_under_a_node_is_the_same_as_its_whole_path():
     b.add_tree(chain + more[1:], [-1, 0, 1, 2, 3, 4], [0.0] * 6, [SOURCE_NGRAM] * 6, max_depth=4)
     assert (a.tokens, a.parents, a.depths) == (b.tokens, b.parents, b.depths) == (
         [5, 6, 7, 8, 9], [-1, 0, 1, 2, 3], [0, 1, 2, 3, 4])
+
+
+def test_is_chain_tells_one_path_from_a_branching_tree():
+    """A tree is one chain exactly where its last row is as deep as there are rows below the root."""
+    from glance_sgl.tree import is_chain
+
+    assert is_chain([0]) and is_chain([0, 1, 2, 3])
+    assert not is_chain([0, 1, 1]) and not is_chain([0, 1, 2, 2])
