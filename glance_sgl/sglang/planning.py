@@ -125,10 +125,15 @@ class BatchCostModel(CostModel):
             self.verify_rows, self.verify_ms_at = [x * batch for x in xs], list(ys)
 
     def add_draft_point(self, batch: int, ms: float) -> None:
-        pts = dict(zip(self.draft_batch, self.draft_ms_at))
-        pts[int(batch)] = float(ms)
+        """A calibrated drafter pass of ``ms`` at ``batch`` requests. The points it contradicts go (a larger batch
+        priced lower, a smaller one higher: a pass over more requests never costs less): the uncalibrated prior's
+        placeholders (:meth:`prior`: 8 ms at 64 requests, which stood beside a calibrated 25 ms at 32 and halved
+        the drafter's price past it) and points of a calibration on other traffic."""
+        b, ms = int(batch), float(ms)
+        pts = {x: y for x, y in zip(self.draft_batch, self.draft_ms_at) if (x < b and y <= ms) or (x > b and y >= ms)}
+        pts[b] = ms
         self.draft_batch = sorted(pts)
-        self.draft_ms_at = [pts[b] for b in self.draft_batch]
+        self.draft_ms_at = [pts[x] for x in self.draft_batch]
 
     def _nearest(self, table, batch: int) -> int:
         return min(table, key=lambda b: abs(math.log(b / batch)))
@@ -189,8 +194,16 @@ class BatchCostModel(CostModel):
         curves = {int(b): ([int(x) for x in xs], [float(y) for y in ys])
                   for b, (xs, ys) in (d.get("curves") or {}).items()}
         steps = {int(b): float(v) for b, v in (d.get("step_ms") or {}).items()}
-        return cls(base.verify_rows, base.verify_ms_at, base.draft_batch, base.draft_ms_at,
-                   overhead_ms=base.overhead_ms, key=base.key, curves=curves, step_ms=steps)
+        model = cls(base.verify_rows, base.verify_ms_at, [], [], overhead_ms=base.overhead_ms, key=base.key,
+                    curves=curves, step_ms=steps)
+        # the drafter's curve as non-decreasing points (a cache written before add_draft_point dropped what it
+        # contradicts may hold a prior placeholder below a calibrated point): each point kept where it is no lower
+        # than every smaller batch's
+        for b, ms in zip(base.draft_batch, base.draft_ms_at):
+            if not model.draft_ms_at or ms >= max(model.draft_ms_at):
+                model.draft_batch.append(b)
+                model.draft_ms_at.append(ms)
+        return model
 
     @classmethod
     def prior(cls, key: str = "") -> "BatchCostModel":

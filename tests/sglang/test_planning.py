@@ -45,6 +45,29 @@ def test_batch_cost_model_interpolates_refines_and_round_trips(tmp_path, monkeyp
     assert again.curves == c.curves and again.step_ms == c.step_ms and again.draft_ms_at == c.draft_ms_at
 
 
+def test_calibrated_drafter_points_replace_the_prior_and_stay_non_decreasing(tmp_path, monkeypatch):
+    """The uncalibrated prior's drafter placeholders (1 ms at 1 request, 8 ms at 64) go once calibrations say
+    otherwise: past the largest calibrated batch the drafter's price is extrapolated from the calibrated points,
+    not read off a placeholder below them; a cached curve written before holds no such point once loaded."""
+    import json
+
+    from glance_sgl.sglang.planning import BatchCostModel, load_batch_costs
+
+    c = BatchCostModel.prior("k2")
+    for batch, ms in ((1, 3.4), (16, 12.6), (32, 25.3)):
+        c.add_draft_point(batch, ms)
+    assert c.draft_batch == [1, 16, 32]
+    assert c.draft_ms(48) == pytest.approx(25.3 + (25.3 - 12.6) / 16 * 16)
+    c.add_draft_point(8, 30.0)  # a calibration on other traffic: the cheaper larger batches it contradicts go
+    assert c.draft_batch == [1, 8] and c.draft_ms(8) == pytest.approx(30.0)
+    monkeypatch.setenv("GLANCE_COST_CACHE", str(tmp_path))
+    cached = {"key": "k3", "verify_rows": [1, 2], "verify_ms": [5.0, 6.0], "draft_batch": [1, 16, 32, 64],
+              "draft_ms": [3.4, 12.6, 25.3, 12.6], "overhead_ms": 1.0}
+    (tmp_path / "k3.json").write_text(json.dumps(cached))
+    loaded = load_batch_costs("k3")
+    assert loaded.draft_batch == [1, 16, 32] and loaded.draft_ms(64) > 25.3
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_batch_cost_model_weighs_every_tree_size_as_it_weighs_one(seed):
     """``verify_ms_many`` (one lookup of the batch's bracketing curves) equals ``verify_ms`` row count by row
