@@ -166,7 +166,8 @@ def build_app(args: argparse.Namespace):
 
     def load(**extra):
         return GlanceEngine.load(model, drafter, mode=args.mode if drafter is not None else "ar", budget=args.budget,
-                                 branch_k=args.branch_k, ngram_corpus=corpus, **{**options, **extra})
+                                 branch_k=args.branch_k, ngram_corpus=corpus,
+                                 compile_drafter=args.compile_drafter == "on", **{**options, **extra})
 
     try:
         engine = load()
@@ -299,6 +300,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(every tenant's; the default), per-key (the same API key's only; requests without a key share "
                    "one anonymous corpus) or off. A shared corpus is a timing side channel between tenants "
                    "(docs/operations.md)")
+    p.add_argument("--compile-drafter", choices=["on", "off"], default="on",
+                   help="embedded backend on a CPU: the drafter's block pass through torch.compile (compiled "
+                        "while the engine calibrates at start-up; default: on)")
     p.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
     p.add_argument("--branch-k", type=int, default=None)
     p.add_argument("--served-model-name", default="glance-demo")

@@ -123,6 +123,7 @@ class EmbeddedBackend(Backend):
                 "block_size": self.engine.block_size, "budget": self.engine.budget,
                 "max_nodes": getattr(self.engine, "max_nodes", None), "branch_k": self.engine.branch_k,
                 "context_length": self.engine.target.context_length, "threads": self.threads,
+                "drafter_compiled": self.engine.drafter is not None and self.engine.drafter.block_compiled,
                 "estimated_ar_ms_per_token": self.ar_ms_per_token}
 
     def stats(self) -> dict[str, int]:

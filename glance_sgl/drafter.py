@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
@@ -22,6 +23,8 @@ from torch import nn
 
 from .config import GlanceConfig
 from .tree import SOURCE_DRAFTER, DraftTree, build_tree, chain_tree, topk_per_offset
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .round import RoundBatch
@@ -201,6 +204,7 @@ class GlanceDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         # Shared with the target by reference; kept out of parameters() and the saved state dict.
         self._shared: dict[str, nn.Module] = {}
+        self._compiled_block = None  # draft_block's pass through torch.compile (compile_block), or None: eager
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -315,11 +319,43 @@ class GlanceDrafter(nn.Module):
         masked by ``lengths`` even for one request.
         Returns draft logits [B, block_size - 1, V] for offsets 1..block_size-1.
         """
+        c = int(cache.lengths.max().item()) if context_len is None else context_len
+        if self._compiled_block is not None:
+            try:
+                return self._compiled_block(cache, root_tokens, c, padded)
+            except Exception as exc:  # the compile failed (no C++ compiler, an op inductor lacks): eager from now on
+                log.warning("drafter: the compiled block pass failed (%s: %s); running it eagerly",
+                            type(exc).__name__, exc)
+                self._compiled_block = None
+        return self._block_pass(cache, root_tokens, c, padded)
+
+    def compile_block(self) -> bool:
+        """Run :meth:`draft_block` through ``torch.compile`` (inductor, dynamic shapes: one compile serves every
+        batch size above one and every context length) from now on, where the drafter lives on a CPU. There the
+        pass is a few dozen small ops whose dispatch costs about as much as their arithmetic: one request of 100-400
+        context tokens took 0.9-1.0 ms compiled against 1.4 ms eager, nine of 400 tokens 7.2 against 9.1 ms (2
+        cores). The first pass of each shape family compiles (4-12 s on 2 cores; inductor's on-disk cache makes a
+        later process's faster), so an engine compiles while it calibrates. On other devices it does nothing (CUDA
+        graphs replay the pass there) and returns False. A compile that fails at its first pass leaves the pass
+        eager, with a warning. The drafts may differ from the eager pass's in the last float bits; the target's
+        verification decides every committed token, so outputs do not change."""
+        if self.fc.weight.device.type != "cpu":
+            return False
+        if self._compiled_block is None:
+            self._compiled_block = torch.compile(self._block_pass, dynamic=True)
+        return True
+
+    @property
+    def block_compiled(self) -> bool:
+        """Whether :meth:`draft_block` runs compiled (:meth:`compile_block`, and its compile has not failed)."""
+        return self._compiled_block is not None
+
+    def _block_pass(self, cache: DrafterCache, root_tokens: torch.Tensor, c: int, padded: bool) -> torch.Tensor:
+        """:meth:`draft_block`'s pass over contexts of at most ``c`` tokens (a host int)."""
         bs, blk = root_tokens.shape[0], self.config.block_size
         block = torch.full((bs, blk), self.config.mask_token_id, dtype=torch.long, device=root_tokens.device)
         block[:, 0] = root_tokens
         positions = cache.lengths[:, None] + torch.arange(blk, device=root_tokens.device)[None, :]
-        c = int(cache.lengths.max().item()) if context_len is None else context_len
         mask = None  # one request (or equal lengths): every block token sees the whole context and block
         if bs > 1 or padded:
             ctx_valid = torch.arange(c, device=root_tokens.device)[None, :] < cache.lengths[:, None]  # [B, C]

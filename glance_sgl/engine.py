@@ -235,6 +235,8 @@ class GlanceEngine:
     """Serve requests on a Hugging Face Qwen-VL target, with a GLANCE drafter or autoregressively.
 
     ``mode`` picks the default decoding: "glance" (budget tree), "chain" (width-1 ablation) or "ar".
+    ``compile_drafter``: on a CPU, the drafter's block pass runs through ``torch.compile``
+    (:meth:`GlanceDrafter.compile_block`; the drafter object is shared, so every engine on it drafts compiled).
     Not re-entrant: one request runs at a time (a lock serialises callers).
     """
 
@@ -250,6 +252,7 @@ class GlanceEngine:
         draft_sources: Sequence[str] = ("drafter",),
         ngram: NgramSettings | None = None,
         ngram_corpus: str | None = None,
+        compile_drafter: bool = False,
     ) -> None:
         if planner not in PLANNER_MODES:
             raise ValueError(f"planner must be one of {PLANNER_MODES}, got {planner!r}")
@@ -265,6 +268,8 @@ class GlanceEngine:
             target.check_tap_layers(cfg.tap_layers)
             drafter.bind_target(target.input_embeddings(), target.lm_head())
             drafter.to(device=target.device, dtype=target.model.dtype).eval()
+            if compile_drafter:  # on a CPU: the block pass through torch.compile (GlanceDrafter.compile_block)
+                drafter.compile_block()
             self.budget = budget or cfg.budget
             self.branch_k = branch_k or cfg.branch_k
         elif mode != "ar":
@@ -344,12 +349,13 @@ class GlanceEngine:
         cfg = self.target.model.config.to_json_string(use_diff=False)
         params = sum(p.numel() for p in self.target.model.parameters())
         drafter = json.dumps(self.drafter.config.to_dict(), sort_keys=True) if self.drafter is not None else ""
+        compiled = self.drafter is not None and self.drafter.block_compiled  # the drafter pass's price differs
         # the thread matters too: OpenMP regions run slower from a thread other than the main one once that has
         # run any (glance_server.embedded.EmbeddedBackend._pick_threads), so costs timed in one do not carry over
         main = threading.current_thread() is threading.main_thread()
         return cost_key("embedded", self.target.device, platform.machine(), platform.processor(),
                         torch.__version__, torch.get_num_threads(), main, self.target.model.dtype, cfg, params,
-                        drafter, self.max_nodes, self.branch_k)
+                        drafter, self.max_nodes, self.branch_k, *(["compiled"] if compiled else []))
 
     @torch.no_grad()
     def _calibrate(self, key: str) -> CostModel:

@@ -10,6 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # planner calibrations of the tests' throwaway models go to a temporary folder, not ~/.cache
 os.environ.setdefault("GLANCE_COST_CACHE", os.path.join(tempfile.gettempdir(), f"glance-test-costs-{os.getpid()}"))
+# SGLang engines started by the tests draft eagerly (a compile costs each engine process seconds); the compiled
+# pass has its own tests (tests/test_drafter.py, tests/test_lossless.py)
+os.environ.setdefault("GLANCE_SGL_COMPILE_DRAFTER", "0")
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ import torch
 from glance_sgl.config import GlanceConfig, default_tap_layers
 from glance_sgl.drafter import GlanceDrafter
 
-from tests.glance_testing import random_drafter
+from tests.glance_testing import random_drafter, tiny_bound_drafter
 
 
 def test_default_taps():
@@ -86,3 +86,35 @@ def test_batched_equals_single_and_incremental_equals_at_once(targets):
     sub = cache.select(torch.tensor([2, 0]))
     torch.testing.assert_close(drafter.draft_block(sub, roots[[2, 0]]), torch.cat([singles[2], singles[0]]),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_the_compiled_block_pass_matches_the_eager_one_and_falls_back_when_it_fails(caplog):
+    """``compile_block`` (on a CPU) runs the block pass through torch.compile with dynamic shapes: the logits equal
+    the eager pass's up to float rounding for one request and for a batch of unequal contexts (the masked branch),
+    at context lengths it was not compiled for. A compile that fails leaves the pass eager, with a warning."""
+    drafter = tiny_bound_drafter(block_size=6)
+    eager = tiny_bound_drafter(block_size=6)
+    assert not drafter.block_compiled and drafter.compile_block() and drafter.block_compiled
+    h = drafter.config.hidden_size * len(drafter.config.tap_layers)
+    torch.manual_seed(1)
+    for lengths in ([9], [5], [12, 3, 7], [20, 20, 2, 11]):
+        feats = torch.randn(len(lengths), max(lengths), h)
+        roots = torch.randint(4, 40, (len(lengths),))
+        caches = []
+        for d in (drafter, eager):
+            cache = d.new_cache(len(lengths), capacity=32)
+            d.extend_context(cache, feats, torch.tensor(lengths))
+            caches.append(cache)
+        torch.testing.assert_close(drafter.draft_block(caches[0], roots), eager.draft_block(caches[1], roots),
+                                   atol=1e-4, rtol=1e-4)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    drafter._compiled_block = broken
+    cache = drafter.new_cache(1, capacity=32)
+    drafter.extend_context(cache, torch.randn(1, 4, h), torch.tensor([4]))
+    with caplog.at_level("WARNING", logger="glance_sgl.drafter"):
+        out = drafter.draft_block(cache, torch.tensor([5]))
+    assert out.shape == (1, 5, 40) and not drafter.block_compiled
+    assert "running it eagerly" in caplog.text

@@ -132,3 +132,21 @@ def test_lossless_random_source_mixes(arch, engines):
                 else:
                     merged_rounds += m.drafter_passes
     assert ngram_rounds > 0 and ngram_accepted > 0 and merged_rounds > 0
+
+
+def test_lossless_with_the_compiled_drafter_pass(targets):
+    """The drafter's block pass through torch.compile (``compile_drafter``, what ``glance serve`` and ``glance
+    bench`` run on a CPU): its drafts may differ from the eager pass's in the last float bits, the output never does
+    (greedy and seeded sampling, the auto planner's trees and the chain)."""
+    target = targets["qwen2_5_vl"]
+    engine = GlanceEngine(target, random_drafter(target, seed=5, block_size=6), compile_drafter=True,
+                          draft_sources=("drafter", "ngram"))
+    assert engine.drafter.block_compiled
+    for i, messages in enumerate(make_prompts(8, seed=16)):
+        for params in (SamplingParams(max_tokens=MAX_TOKENS),
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=500 + i)):
+            ar = engine.generate(messages, params, mode="ar")
+            for mode in ("glance", "chain"):
+                got = engine.generate(messages, params, mode=mode)
+                assert got.token_ids == ar.token_ids, f"prompt {i}, {mode}, temperature {params.temperature}"
+    assert engine.drafter.block_compiled  # compiled throughout, not fallen back to the eager pass

@@ -45,7 +45,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CLIError(f"--sweep: {exc}") from None
     torch.manual_seed(0)
-    engine = GlanceEngine.load(model, drafter, budget=args.budget, branch_k=args.branch_k)
+    engine = GlanceEngine.load(model, drafter, budget=args.budget, branch_k=args.branch_k,
+                               compile_drafter=args.compile_drafter == "on")
     engine.freeze_gc()  # as a served engine (glance serve): no full collection walks the start-up objects mid-run
     if sweep:
         result = run_sweep(engine, sweep, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks,
@@ -91,6 +92,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--model", help="target directory (default: bundled demo)")
     bench.add_argument("--drafter", help="drafter directory (default: bundled demo)")
     bench.add_argument("--no-peers", action="store_true", help="skip the Hugging Face generate peers")
+    bench.add_argument("--compile-drafter", choices=["on", "off"], default="on",
+                       help="on a CPU, the drafter's block pass through torch.compile, as glance serve runs it "
+                            "(default: on)")
     bench.add_argument("--sweep", metavar="BxK,...",
                        help="compare tree budgets x branch_k (e.g. 15x2,15x4,31x4) against the chain; no HF peers")
     bench.add_argument("--json", help="write the report as JSON")

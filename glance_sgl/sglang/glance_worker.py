@@ -190,6 +190,8 @@ class GlanceWorker(BaseSpecWorker):
         self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         self.page_size = int(getattr(server_args, "page_size", 1) or 1)
         self.settings = WorkerSettings.from_env()  # every GLANCE setting, validated once (settings.py)
+        if self.settings.compile_drafter and not self.device_is_cuda:
+            self.drafter.compile_block()  # compiled at the first drafter pass: the calibration's
         self._profile = self.settings.profile
         # the decode step on the device (tree, walk, commits: no host copy of logits or trees): the default on
         # CUDA; on a CPU the host heap and walk are faster, and GLANCE_SGL_STEP=device runs the device code there
@@ -204,6 +206,7 @@ class GlanceWorker(BaseSpecWorker):
                        else "cpu", spec.speculative_draft_model_path, self.model_runner.model_config.model_path,
                        str(self.model_runner.dtype), self.server_args.attention_backend, torch.get_num_threads(),
                        self.draft_token_num, self.branch_k, self.max_depth,
+                       *(["compiled"] if self.drafter.block_compiled else []),
                        *([] if self.settings.draft_sources == ("drafter",) else [self.settings.draft_sources]))
         cached = load_batch_costs(key)
         costs = cached if cached is not None else BatchCostModel.prior(key)

@@ -17,6 +17,7 @@ environment; the worker takes the object.
 | ``GLANCE_SGL_STATIC_DRAFT`` | ``static_draft`` | ``0`` / ``1`` | the drafter pass with the static shapes of its graphs, without graphs (CPU tests of the GPU path) |
 | ``GLANCE_SGL_CPU_OVERLAP`` | ``cpu_overlap`` | ``0`` / ``1`` | on a CPU device, keep SGLang's overlap scheduler on (default: off there, as SGLang does for its own speculative algorithms: a CPU runs the step synchronously anyway, and the relay costs; tests of the overlap path set it) |
 | ``GLANCE_SGL_RAGGED_VERIFY`` | ``ragged_verify`` | ``0`` / ``1`` | ``1``: where the attention backend takes it (``glance_cpu``, no CUDA graphs, one rank), every request of a batch verifies its own number of tree rows in one pass, sized by the planner (default: one size for the batch; ragged passes lost on first-seen traffic, docs/planner.md) |
+| ``GLANCE_SGL_COMPILE_DRAFTER`` | ``compile_drafter`` | ``1`` / ``0`` | on a CPU device, the drafter's block pass through ``torch.compile`` (``GlanceDrafter.compile_block``: compiled while the worker calibrates; CUDA replays graphs instead) |
 | ``GLANCE_SGL_PROFILE`` | ``profile`` | ``0`` / ``1`` | log a per-phase time profile of decode steps |
 | ``GLANCE_SGL_COUNT_HOST_READS`` | ``count_host_reads`` | ``0`` / ``1`` | count device-to-host reads per step and log them |
 | ``GLANCE_SGL_STEP_TIMING`` | ``step_timing`` | ``0`` / ``1`` | time every engine's scheduler steps and target forwards, whatever its algorithm (``glance_sgl.sglang.step_timing``; the benchmark's side-by-side step table) |
@@ -49,8 +50,10 @@ class SettingsError(ValueError):
     """A setting with a bad value; the message names the environment variable."""
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
     if raw in _TRUE:
         return True
     if raw in _FALSE:
@@ -112,6 +115,7 @@ class WorkerSettings:
     ngram_corpus: str = "shared"
     cpu_overlap: bool = False
     ragged_verify: bool = False
+    compile_drafter: bool = True
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -149,7 +153,8 @@ class WorkerSettings:
                    count_host_reads=_flag(env, "GLANCE_SGL_COUNT_HOST_READS"),
                    step_timing=_flag(env, "GLANCE_SGL_STEP_TIMING"), dump_taps=Path(dump) if dump else None,
                    draft_sources=sources, ngram_corpus=corpus, cpu_overlap=_flag(env, "GLANCE_SGL_CPU_OVERLAP"),
-                   ragged_verify=_flag(env, "GLANCE_SGL_RAGGED_VERIFY"))
+                   ragged_verify=_flag(env, "GLANCE_SGL_RAGGED_VERIFY"),
+                   compile_drafter=_flag(env, "GLANCE_SGL_COMPILE_DRAFTER", default=True))
 
     def device_step(self, on_cuda: bool) -> bool:
         """Whether the step's tree build and walk run as device tensors (no per-request host loops)."""

@@ -16,6 +16,7 @@ def test_defaults_from_an_empty_environment():
         ("auto", "auto", None, False, False, None)
     assert s.device_step(on_cuda=True) and not s.device_step(on_cuda=False)
     assert (s.draft_sources, s.ngram_corpus) == (("drafter", "ngram"), "shared")  # merged by default
+    assert s.compile_drafter  # the CPU drafter pass compiled by default
 
 
 def test_every_variable_is_read():
@@ -34,6 +35,8 @@ def test_every_variable_is_read():
     assert WorkerSettings.from_env({"GLANCE_DRAFT_SOURCES": "drafter"}).draft_sources == ("drafter",)
     assert WorkerSettings.from_env({"GLANCE_SGL_STEP": "host"}).device_step(on_cuda=True) is False
     assert WorkerSettings.from_env({"GLANCE_SGL_DEVICE_STEP": "1"}).step == "device"  # the earlier spelling
+    assert not WorkerSettings.from_env({"GLANCE_SGL_COMPILE_DRAFTER": "0"}).compile_drafter
+    assert WorkerSettings.from_env({"GLANCE_SGL_COMPILE_DRAFTER": " On "}).compile_drafter
 
 
 @pytest.mark.parametrize(("env", "named"), [
@@ -49,6 +52,7 @@ def test_every_variable_is_read():
     ({"GLANCE_DRAFT_SOURCES": "drafter,eagle"}, "GLANCE_DRAFT_SOURCES"),
     ({"GLANCE_DRAFT_SOURCES": "drafter;ngram"}, "GLANCE_DRAFT_SOURCES"),
     ({"GLANCE_NGRAM_CORPUS": "global"}, "GLANCE_NGRAM_CORPUS"),
+    ({"GLANCE_SGL_COMPILE_DRAFTER": "inductor"}, "GLANCE_SGL_COMPILE_DRAFTER"),
 ])
 def test_bad_values_name_the_variable(env, named):
     with pytest.raises(SettingsError, match=named):
