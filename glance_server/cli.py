@@ -302,7 +302,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(docs/operations.md)")
     p.add_argument("--compile-drafter", choices=["on", "off"], default="on",
                    help="embedded backend on a CPU: the drafter's block pass through torch.compile (compiled "
-                        "while the engine calibrates at start-up; default: on)")
+                        "at start-up; default: on)")
     p.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
     p.add_argument("--branch-k", type=int, default=None)
     p.add_argument("--served-model-name", default="glance-demo")

@@ -51,9 +51,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-@functools.lru_cache(maxsize=16)
-def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def _inv_freq_of(dim: int, theta: float, device: torch.device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+
+
+_inv_freq_cached = functools.lru_cache(maxsize=16)(_inv_freq_of)
+
+
+def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """The rotary frequencies, cached per (dim, theta, device); computed in the graph of a compiled pass
+    (``GlanceDrafter.compile_block``: the compiler folds them, and does not trace through a cache)."""
+    return _inv_freq_of(dim, theta, device) if torch.compiler.is_compiling() else _inv_freq_cached(dim, theta, device)
 
 
 def rope_tables(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
@@ -329,21 +337,26 @@ class GlanceDrafter(nn.Module):
                 self._compiled_block = None
         return self._block_pass(cache, root_tokens, c, padded)
 
-    def compile_block(self) -> bool:
-        """Run :meth:`draft_block` through ``torch.compile`` (inductor, dynamic shapes: one compile serves every
-        batch size above one and every context length) from now on, where the drafter lives on a CPU. There the
-        pass is a few dozen small ops whose dispatch costs about as much as their arithmetic: one request of 100-400
-        context tokens took 0.9-1.0 ms compiled against 1.4 ms eager, nine of 400 tokens 7.2 against 9.1 ms (2
-        cores). The first pass of each shape family compiles (4-12 s on 2 cores; inductor's on-disk cache makes a
-        later process's faster), so an engine compiles while it calibrates. On other devices it does nothing (CUDA
-        graphs replay the pass there) and returns False. A compile that fails at its first pass leaves the pass
-        eager, with a warning. The drafts may differ from the eager pass's in the last float bits; the target's
+    def compile_block(self, batch_sizes: Iterable[int] = (1,)) -> bool:
+        """Run :meth:`draft_block` through ``torch.compile`` (inductor, dynamic shapes: one compile serves one
+        request, another every larger batch, each at any context length) from now on, where the drafter lives on a
+        CPU. There the pass is a few dozen small ops whose dispatch costs about as much as their arithmetic: one
+        request of 100-400 context tokens took 0.9-1.0 ms compiled against 1.4 ms eager, nine of 400 tokens 7.2
+        against 9.1 ms (2 cores). The passes for ``batch_sizes`` (1: one request; any larger: every batch) are
+        compiled now, on a small dummy context (4-12 s each on 2 cores; inductor's on-disk cache makes a later
+        process's faster), so that no request waits for a compile. On other devices it does nothing (CUDA graphs
+        replay the pass there) and returns False. A compile that fails leaves the pass eager, with a warning, and
+        returns False. The drafts may differ from the eager pass's in the last float bits; the target's
         verification decides every committed token, so outputs do not change."""
         if self.fc.weight.device.type != "cpu":
             return False
         if self._compiled_block is None:
             self._compiled_block = torch.compile(self._block_pass, dynamic=True)
-        return True
+            for bs in sorted(set(batch_sizes)):
+                cache = self.new_cache(bs, capacity=37)  # odd sizes: nothing for the compiler to specialise on
+                cache.lengths[:] = torch.tensor([29, 17, 23][:bs] + [11] * max(bs - 3, 0))
+                self.draft_block(cache, torch.zeros(bs, dtype=torch.long, device=self.fc.weight.device))
+        return self.block_compiled
 
     @property
     def block_compiled(self) -> bool:

@@ -17,7 +17,7 @@ environment; the worker takes the object.
 | ``GLANCE_SGL_STATIC_DRAFT`` | ``static_draft`` | ``0`` / ``1`` | the drafter pass with the static shapes of its graphs, without graphs (CPU tests of the GPU path) |
 | ``GLANCE_SGL_CPU_OVERLAP`` | ``cpu_overlap`` | ``0`` / ``1`` | on a CPU device, keep SGLang's overlap scheduler on (default: off there, as SGLang does for its own speculative algorithms: a CPU runs the step synchronously anyway, and the relay costs; tests of the overlap path set it) |
 | ``GLANCE_SGL_RAGGED_VERIFY`` | ``ragged_verify`` | ``0`` / ``1`` | ``1``: where the attention backend takes it (``glance_cpu``, no CUDA graphs, one rank), every request of a batch verifies its own number of tree rows in one pass, sized by the planner (default: one size for the batch; ragged passes lost on first-seen traffic, docs/planner.md) |
-| ``GLANCE_SGL_COMPILE_DRAFTER`` | ``compile_drafter`` | ``1`` / ``0`` | on a CPU device, the drafter's block pass through ``torch.compile`` (``GlanceDrafter.compile_block``: compiled while the worker calibrates; CUDA replays graphs instead) |
+| ``GLANCE_SGL_COMPILE_DRAFTER`` | ``compile_drafter`` | ``1`` / ``0`` | on a CPU device, the drafter's block pass through ``torch.compile`` (``GlanceDrafter.compile_block``: compiled at start-up; CUDA replays graphs instead) |
 | ``GLANCE_SGL_PROFILE`` | ``profile`` | ``0`` / ``1`` | log a per-phase time profile of decode steps |
 | ``GLANCE_SGL_COUNT_HOST_READS`` | ``count_host_reads`` | ``0`` / ``1`` | count device-to-host reads per step and log them |
 | ``GLANCE_SGL_STEP_TIMING`` | ``step_timing`` | ``0`` / ``1`` | time every engine's scheduler steps and target forwards, whatever its algorithm (``glance_sgl.sglang.step_timing``; the benchmark's side-by-side step table) |
