@@ -333,7 +333,7 @@ class GlanceDrafter(nn.Module):
                 return self._compiled_block(cache, root_tokens, c, padded)
             except Exception as exc:  # the compile failed (no C++ compiler, an op inductor lacks): eager from now on
                 log.warning("drafter: the compiled block pass failed (%s: %s); running it eagerly",
-                            type(exc).__name__, exc)
+                            type(exc).__name__, (str(exc).strip().splitlines() or [""])[0])
                 self._compiled_block = None
         return self._block_pass(cache, root_tokens, c, padded)
 
