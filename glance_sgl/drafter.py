@@ -352,10 +352,17 @@ class GlanceDrafter(nn.Module):
             return False
         if self._compiled_block is None:
             self._compiled_block = torch.compile(self._block_pass, dynamic=True)
-            for bs in sorted(set(batch_sizes)):
-                cache = self.new_cache(bs, capacity=37)  # odd sizes: nothing for the compiler to specialise on
-                cache.lengths[:] = torch.tensor([29, 17, 23][:bs] + [11] * max(bs - 3, 0))
-                self.draft_block(cache, torch.zeros(bs, dtype=torch.long, device=self.fc.weight.device))
+            # inductor's C++ toolchain lookup warns "No CUDA runtime is found" on every CPU machine: not news here
+            cpp = logging.getLogger("torch.utils.cpp_extension")
+            level = cpp.level
+            cpp.setLevel(logging.ERROR)
+            try:
+                for bs in sorted(set(batch_sizes)):
+                    cache = self.new_cache(bs, capacity=37)  # odd sizes: nothing for the compiler to specialise on
+                    cache.lengths[:] = torch.tensor([29, 17, 23][:bs] + [11] * max(bs - 3, 0))
+                    self.draft_block(cache, torch.zeros(bs, dtype=torch.long, device=self.fc.weight.device))
+            finally:
+                cpp.setLevel(level)
         return self.block_compiled
 
     @property
