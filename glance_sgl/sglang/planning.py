@@ -198,9 +198,9 @@ class BatchCostModel(CostModel):
                     curves=curves, step_ms=steps)
         # the drafter's curve as non-decreasing points (a cache written before add_draft_point dropped what it
         # contradicts may hold a prior placeholder below a calibrated point): each point kept where it is no lower
-        # than every smaller batch's
+        # than every smaller batch's (the kept points' last: they only rise)
         for b, ms in zip(base.draft_batch, base.draft_ms_at):
-            if not model.draft_ms_at or ms >= max(model.draft_ms_at):
+            if not model.draft_ms_at or ms >= model.draft_ms_at[-1]:
                 model.draft_batch.append(b)
                 model.draft_ms_at.append(ms)
         return model
