@@ -280,6 +280,7 @@ class GlanceEngine:
         self.planner_mode: PlannerMode = planner
         self.max_nodes = max_nodes or default_max_nodes(self.budget, self.block_size, self.branch_k)
         self.eos_ids = target.eos_token_ids
+        self._stops = frozenset(self.eos_ids)  # the tokens that end every request (RoundBatch.stops)
         self._lock = threading.Lock()
         self._costs: CostModel | None = None
         self._planners: dict[str, Planner] = {}
@@ -577,7 +578,8 @@ class GlanceEngine:
                                    else None)
                     metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None)
                 else:
-                    new_tokens, rec = self.speculative_round(request, out.token_ids, spec, logprobs=k is not None)
+                    new_tokens, rec = self.speculative_round(request, out.token_ids, spec, logprobs=k is not None,
+                                                             room=params.max_tokens - len(out.token_ids))
                     kept = out.add(new_tokens, token_logprobs(rec.choice_logits, new_tokens, k) if k is not None
                                    else None)
                     if request.history is not None:
@@ -606,13 +608,16 @@ class GlanceEngine:
         return target_choices(logits[None], depths[None], torch.tensor([next_index]), [spec])[0]
 
     def speculative_round(self, request: SpeculativeRequest, committed: list[int], spec: SamplingSpec,
-                          logprobs: bool = False) -> tuple[list[int], RoundRecord]:
+                          logprobs: bool = False, room: int | None = None) -> tuple[list[int], RoundRecord]:
         """One round of ``glance_sgl.round`` for this request (a batch of one): the planner decides whether to
         draft and how big a tree to verify, one target pass verifies it, the accepted KV stays and the drafter
         is fed (deferred: a round without drafting is an AR step whose tap features wait for the next drafter
-        pass). Returns (tokens to commit, what the round did; its ``choice_logits`` only with ``logprobs``)."""
+        pass). ``room``: the tokens the request may still commit (None: no limit); no candidate goes past it or
+        past an EOS token. Returns (tokens to commit, what the round did; its ``choice_logits`` only with
+        ``logprobs``)."""
         batch = RoundBatch([request.rid], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [spec],
-                           None if request.history is None else [request.history])
+                           None if request.history is None else [request.history],
+                           stops=[self._stops], room=None if room is None else [room])
         r = speculative_round(batch, request.policy, request.sources or [request.drafter], request.target,
                               max_depth=self.block_size - 1)
         accepted = r.report.accepted[0]

@@ -42,7 +42,8 @@ from .host_transfers import on_host
 from .metrics import entropy_tensor
 from .costs import CostModel, calibrate
 from .planner import Plan, RoundReport
-from .tree import SOURCE_DRAFTER, SOURCE_NONE, DraftTree, accepted_alone, merge_trees, spread_requests
+from .tree import (SOURCE_DRAFTER, SOURCE_NONE, DraftTree, accepted_alone, merge_trees, spread_requests,
+                   without_ended)
 from .verify import SamplingSpec, WalkResult, verify_tree
 
 
@@ -73,7 +74,9 @@ class RoundBatch:
     the engine knows them without reading the device (else :meth:`host_roots` reads them once); ``members``: the
     requests' indices in the engine's batch where this is a part of it (:meth:`select`), None: the whole batch;
     ``context``: set by the round for the sources it feeds, the requests whose drafter context it keeps (None: every
-    one; ``RoundPolicy.context_mask``).
+    one; ``RoundPolicy.context_mask``). ``stops``: each request's token ids that end it (EOS and its stop tokens;
+    empty where none does) and ``room``: the tokens each may still commit, this round's included: the round drops
+    the candidate rows past either end (:func:`glance_sgl.tree.without_ended`; None: not known, nothing dropped).
     """
 
     rids: Sequence[Hashable]
@@ -84,6 +87,8 @@ class RoundBatch:
     roots_host: list[int] | None = None
     members: list[int] | None = None
     context: Sequence[bool] | None = None
+    stops: Sequence[frozenset[int]] | None = None
+    room: Sequence[int] | None = None
 
     def select(self, members: Sequence[int]) -> "RoundBatch":
         """The requests ``members`` (indices into this batch) as a batch of their own, for a source that
@@ -96,7 +101,9 @@ class RoundBatch:
                           [self.specs[b] for b in members],
                           None if self.tokens is None else [self.tokens[b] for b in members],
                           None if self.roots_host is None else [self.roots_host[b] for b in members], outer,
-                          None if self.context is None else [self.context[b] for b in members])
+                          None if self.context is None else [self.context[b] for b in members],
+                          None if self.stops is None else [self.stops[b] for b in members],
+                          None if self.room is None else [self.room[b] for b in members])
 
     def host_roots(self) -> list[int]:
         """``roots`` as a host list (read once per round, where the engine did not hand them over)."""
@@ -330,13 +337,19 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     drafters = with_pass if planner.speculates else []
     cheap = without_pass if planner.speculates else []
     rows = planner.max_nodes + 1
+
+    def ended(tree: DraftTree) -> DraftTree:  # no rows past a request's end (a stop token, its token limit)
+        return without_ended(tree, batch.stops, batch.room)
+
     # 1. the sources without a model pass propose first (host lookups, skipped for requests whose drafting
     #    rounds they add nothing to: those look after the gate if it leaves them out), and their best round is
     #    planned: the round to beat
-    looks = planner.cheap_rows(batch.rids, rows) if cheap else []
+    # a request with room for one more token at most (its limit) gains nothing from candidates: an AR step
+    last = [r <= 1 for r in batch.room] if batch.room is not None else [False] * batch.size
+    looks = [1 if end else n for n, end in zip(planner.cheap_rows(batch.rids, rows), last)] if cheap else []
     looked = sum(1 for n in looks if n > 1)
     with on_host():
-        fallback = propose(cheap, batch, looks, max_depth) if looked else None
+        fallback = ended(propose(cheap, batch, looks, max_depth)) if looked else None
         t_look = time.perf_counter()
         alternative = None if fallback is None else planner.choose(batch.rids, fallback.scores, fallback.depths,
                                                                    fallback.sources, drafter_ran=False)
@@ -349,7 +362,7 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     if drafters:
         agreed = agree_mask(target.agree, planner.draft_mask(batch.rids, alternative)
                             + planner.context_mask(batch.rids))
-        mask, context = agreed[:n], agreed[n:]
+        mask, context = [m and not end for m, end in zip(agreed[:n], last)], agreed[n:]
     else:
         mask, context = [False] * n, [False] * n
     keep = any(context)
@@ -358,13 +371,13 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     #     left out of it looks now: the round without the drafter is its round too, not an AR step
     #     (its plan sizes the verify tree of a round without the drafter; the planner's records keep the round
     #     the gate weighed, ``alternative``)
-    late = [b for b in range(n) if looks[b] <= 1 and not mask[b]] if cheap else []
+    late = [b for b in range(n) if looks[b] <= 1 and not mask[b] and not last[b]] if cheap else []
     late_s, verify_plan = 0.0, alternative
     if late:
         tl = time.perf_counter()
         with on_host():
             wanted = set(late)
-            extra = propose(cheap, batch, [rows if b in wanted else 1 for b in range(n)], max_depth)
+            extra = ended(propose(cheap, batch, [rows if b in wanted else 1 for b in range(n)], max_depth))
             fallback = extra if fallback is None else merge_trees([fallback, extra], rows, max_depth)
             verify_plan = planner.choose(batch.rids, fallback.scores, fallback.depths, fallback.sources,
                                          drafter_ran=False)
@@ -386,11 +399,13 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
             worth = planner.merge_worth(batch.rids, alternative)
             hosts.append(only_requests(fallback, [w or not m for w, m in zip(worth, mask)]))
         with on_host():
-            planned = one_tree(hosts, rows, max_depth)
+            merged = one_tree(hosts, rows, max_depth)
+            planned = ended(merged)
             t1 = time.perf_counter()
             plan = planner.choose(batch.rids, planned.scores, planned.depths, planned.sources, True, mask)
         cheap_s += t1 - tm if fallback is not None else 0.0
-        candidates = trees[0] if len(hosts) == 1 else planned  # unmerged: the drafter's tree where it lies
+        # unmerged and nothing dropped: the drafter's tree where it lies
+        candidates = trees[0] if len(hosts) == 1 and planned is merged else planned
     else:
         t1 = time.perf_counter()
         skipped = planner.skip(batch.rids, alternative)  # the drafter's record: a round without it

@@ -18,6 +18,7 @@ losslessness does not depend on the sources.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Sequence
@@ -490,6 +491,91 @@ def _best_first_prefix(tree: tuple[list, list, list, list, list], b: int, rows: 
         prev = s
     k = min(rows, n)
     return tok[:k], [-1] + par[1:k], [0] + dep[1:k], [0.0] + sco[1:k], [SOURCE_NONE] + tag[1:k]
+
+
+def without_ended(tree: DraftTree, stops: Sequence[frozenset[int]] | None, room: Sequence[int] | None
+                  ) -> DraftTree:
+    """``tree`` (on the host) without the rows that cannot add a committed token to their request.
+
+    ``stops``: per request, the token ids that end it (EOS, its stop tokens; empty: none, e.g. ``ignore_eos``);
+    ``room``: per request, the tokens it may still commit, this round's included (None: no limit). Dropped: a row
+    carrying a stop token (where the walk reaches it, the target's own choice there is that token, committed as the
+    round's bonus just the same), every row below one (never committed: the request ends first), and rows deeper
+    than ``room - 1`` (a round commits its accepted rows and one bonus token; the rest is cut off at the limit).
+    Where an answer ends inside a round, the drafter still proposes a full block past its end: a sixth of the rows
+    of the demo tasks' rounds. The rows kept keep their order, so the tree stays best-first and prefix-closed;
+    a request left with fewer rows than the widest is padded as :func:`pack_trees` pads, and the tree is as wide as
+    its widest request's kept rows. What the walk commits is unchanged on any tree (lossless); the round verifies
+    fewer rows and the planner does not count on tokens after the end. Returns ``tree`` itself where nothing is
+    dropped. Plain lists for a few small trees (the embedded engine's: tens of microseconds), tensor ops for a
+    batch."""
+    if tree.num_rows == 1 or (stops is None and room is None):
+        return tree
+    bs, n = tree.tokens.shape
+    no_stops: frozenset[int] = frozenset()
+    stops = [no_stops] * bs if stops is None else stops
+    caps = [n] * bs if room is None else [max(int(r) - 1, 0) for r in room]
+    if bs * n > HOST_MASK_CELLS:
+        return _without_ended_batch(tree, stops, caps)
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    kept_rows: list[list[int]] = []
+    for tok, par, dep, ids, cap in zip(tokens, parents, depths, stops, caps):
+        if max(dep) <= cap and not (ids and any(t in ids for t in tok[1:])):
+            kept_rows.append(list(range(n)))
+            continue
+        dead = [False] * n
+        for i in range(1, n):
+            p = par[i]
+            dead[i] = tok[i] in ids or dep[i] > cap or (p > 0 and dead[p])
+        kept_rows.append([i for i in range(n) if not dead[i]])
+    if all(len(k) == n for k in kept_rows):
+        return tree
+    width = max(len(k) for k in kept_rows)
+    scores, tags = tree.scores.tolist(), tree.source_tags().tolist()
+    packed = []
+    for b, kept in enumerate(kept_rows):
+        new_row = {old: new for new, old in enumerate(kept)}
+        packed.append(([tokens[b][i] for i in kept], [new_row.get(parents[b][i], -1) for i in kept],
+                       [depths[b][i] for i in kept], [scores[b][i] for i in kept], [tags[b][i] for i in kept]))
+    out = pack_trees(packed, tree.tokens.device)
+    return out if bs > 1 or tree.sources is not None else dataclasses.replace(out, sources=None)
+
+
+def _without_ended_batch(tree: DraftTree, stops: Sequence[frozenset[int]], caps: list[int]) -> DraftTree:
+    """:func:`without_ended` with tensor ops (a large batch; ``caps``: each request's deepest useful row)."""
+    tok, dep = tree.tokens, tree.depths
+    bs, n = tok.shape
+    dead = dep > torch.tensor(caps, dtype=dep.dtype)[:, None]
+    groups: dict[frozenset[int], list[int]] = {}
+    for b, ids in enumerate(stops):
+        if ids:
+            groups.setdefault(ids, []).append(b)
+    for ids, members in groups.items():
+        ends = torch.tensor(sorted(ids), dtype=tok.dtype)
+        if len(members) == bs:
+            dead |= torch.isin(tok, ends)
+        else:
+            idx = torch.tensor(members)
+            dead[idx] |= torch.isin(tok[idx], ends)
+    dead[:, 0] = False
+    if not bool(dead.any()):
+        return tree
+    up = tree.parents.clamp(min=0)
+    for _ in range(max(n - 1, 1).bit_length()):  # below a dropped row: pointer jumping, log2(rows) passes
+        dead |= dead.gather(1, up)
+        up = up.gather(1, up)
+    dead[:, 0] = False
+    kept = (~dead).sum(dim=1)
+    width = int(kept.max())
+    order = torch.argsort(dead.to(torch.int8), dim=1, stable=True)  # each request's kept rows first, in order
+    new_row = torch.empty_like(order).scatter_(1, order, torch.arange(n).expand(bs, n).contiguous())
+    pad = torch.arange(width)[None, :] >= kept[:, None]
+    old_parents = tree.parents.gather(1, order)[:, :width]
+    parents = torch.where(old_parents >= 0, new_row.gather(1, old_parents.clamp(min=0)), old_parents)
+    tokens = torch.where(pad, tok[:, :1], tok.gather(1, order)[:, :width])
+    return DraftTree(tokens, parents.masked_fill(pad, 0), dep.gather(1, order)[:, :width].masked_fill(pad, 1),
+                     tree.scores.gather(1, order)[:, :width].masked_fill(pad, float("-inf")),
+                     tree.source_tags().gather(1, order)[:, :width].masked_fill(pad, SOURCE_NONE))
 
 
 def accepted_per_source(tree: DraftTree, accepted_rows: torch.Tensor) -> dict[int, torch.Tensor]:

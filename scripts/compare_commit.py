@@ -1,13 +1,14 @@
 """Before/after on this machine in one process: this checkout's engine against an earlier commit's engine.
 
     .venv/bin/python scripts/compare_commit.py --commit 2c6fa6d [--limit 40] [--max-tokens 96] [--json out.json]
-        [--tasks wild,text] [--mix]
+        [--tasks wild,text] [--mix] [--compile-drafter]
 
 The earlier commit's ``glance_sgl`` is exported with ``git archive`` into a temporary folder and imported under
 another name (``glance_base``), so both engines load the same bundled checkpoints side by side. For every task
 and prompt the methods run back to back in an order that rotates from prompt to prompt: this checkout's AR path,
-GLANCE (planner auto), GLANCE (fixed tree), GLANCE with the drafter and n-gram matches merged (``merged``), and the
-earlier commit's AR path, GLANCE and width-1 chain (and its merged sources, ``base_merged``, where it has them).
+GLANCE (planner auto), GLANCE (fixed tree), the width-1 chain, GLANCE with the drafter and n-gram matches merged
+(``merged``), and the earlier commit's AR path, GLANCE and width-1 chain (and its merged sources, ``base_merged``,
+where it has them).
 Each GLANCE speedup is over its own engine's AR path, and so is each lossless check ("lossless": this checkout's
 GLANCE runs against its AR path; "(base)": the earlier commit's GLANCE against its AR path). The earlier commit's AR
 path may answer some prompts differently from this one's (its prompt preparation), which is reported as
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-clock", action="store_true",
                     help="one torch thread, and every timing in CPU time of this process instead of wall time: "
                          "what each method costs, unaffected by other processes on a busy shared machine")
+    ap.add_argument("--compile-drafter", action="store_true",
+                    help="this checkout's drafter pass through torch.compile, as `glance serve` runs it on a CPU "
+                         "(the earlier commit's engine keeps its own drafter, eager)")
     args = ap.parse_args(argv)
 
     import time
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from glance_sgl.demo.paths import bundled_drafter, bundled_target
 
     base_engine_mod, base_dir = import_commit(args.commit)
-    new = GlanceEngine.load(bundled_target(), bundled_drafter())
+    new = GlanceEngine.load(bundled_target(), bundled_drafter(), compile_drafter=args.compile_drafter)
     merged = GlanceEngine(new.target, new.drafter, budget=new.budget, branch_k=new.branch_k, mode="glance",
                           max_nodes=new.max_nodes, draft_sources=("drafter", "ngram"))
     old = base_engine_mod.GlanceEngine.load(base_dir / "demo/assets/target", base_dir / "demo/assets/drafter")
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "ar": lambda m: new.generate(m, params, mode="ar"),
         "auto": lambda m: new.generate(m, params, planner="auto"),
         "fixed": lambda m: new.generate(m, params, planner="fixed"),
+        "chain": lambda m: new.generate(m, params, mode="chain"),
         "merged": lambda m: merged.generate(m, params, planner="auto"),
         "base_ar": lambda m: old.generate(m, old_params, mode="ar"),
         "base_glance": lambda m: old.generate(m, old_params, mode="glance"),
@@ -115,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 same[task][n] += int(r.token_ids == out["ar"].token_ids)
             same_base[task] += int(out["base_glance"].token_ids == out["base_ar"].token_ids)
     report: dict = {"commit": args.commit, "limit": args.limit, "max_tokens": args.max_tokens,
-                    "clock": "process CPU time, 1 thread" if args.cpu_clock else "wall", "tasks": {}}
-    shown = ("auto", "fixed", "merged", "base_glance", "base_chain") + tuple(n for n in ("base_merged",) if n in runs)
+                    "clock": "process CPU time, 1 thread" if args.cpu_clock else "wall",
+                    "drafter_compiled": args.compile_drafter, "tasks": {}}
+    shown = ("auto", "fixed", "chain", "merged", "base_glance", "base_chain") + tuple(n for n in ("base_merged",) if n in runs)
     print(f"{'task':>9} | {'AR ms/tok':>9} | " + " | ".join(f"{n + ' x':>13} {'tau':>5} {'rc':>5}" for n in shown)
           + " | lossless (base)")
     for task in tasks:
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         row["ar_ms_per_token"] = mspt("ar")
         # this checkout's GLANCE runs against its AR path, the earlier commit's GLANCE against its own AR path
         # (an earlier commit may prepare some prompts differently, e.g. chat templates: that is not a GLANCE loss)
-        row["lossless"] = min(same[task][n] for n in ("auto", "fixed", "merged")) / count[task]
+        row["lossless"] = min(same[task][n] for n in ("auto", "fixed", "chain", "merged")) / count[task]
         row["base_lossless"] = same_base[task] / count[task]
         row["base_ar_matches_ar"] = same[task]["base_ar"] / count[task]
         report["tasks"][task] = row
@@ -146,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         report[f"geomean_{n}"] = math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
     if report.get("geomean_base_glance"):
         print(f"geomean over {', '.join(demo)}: auto {report['geomean_auto']:.2f}x, fixed "
-              f"{report['geomean_fixed']:.2f}x, merged {report['geomean_merged']:.2f}x; {args.commit}: GLANCE "
+              f"{report['geomean_fixed']:.2f}x, chain {report['geomean_chain']:.2f}x, merged "
+              f"{report['geomean_merged']:.2f}x; {args.commit}: GLANCE "
               f"{report['geomean_base_glance']:.2f}x, chain {report['geomean_base_chain']:.2f}x "
               f"(auto / base = {report['geomean_auto'] / report['geomean_base_glance']:.2f})"
               + (f"; merged / base merged = {report['geomean_merged'] / report['geomean_base_merged']:.2f}"

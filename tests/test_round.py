@@ -323,3 +323,35 @@ def test_a_request_that_skipped_its_lookup_looks_when_the_gate_leaves_it_out(eng
         assert committed[: len(ar)] == ar
         assert all(looked) if not drafts else not any(looked)
         ngram.finish("r")
+
+
+def test_no_candidate_past_a_requests_end_and_an_ar_step_at_its_last_token(engines):
+    """``RoundBatch.stops`` / ``room``: no verified row carries a stop token or lies deeper than the room allows, a
+    round with room for one token is an AR step (no drafter pass), and the committed tokens, cut at the first stop
+    token or the limit, are the AR path's."""
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    last_steps = 0
+    for seed, (stop_at, limit) in enumerate([(None, 9), (6, 40), (3, 5), (None, 4)]):
+        messages = make_prompts(4, seed=31 + seed)[seed]
+        ar = engine.generate(messages, SamplingParams(max_tokens=40), mode="ar").token_ids
+        stops = frozenset() if stop_at is None else frozenset({ar[stop_at]})
+        end = min([limit] + [i + 1 for i, t in enumerate(ar) if t in stops])  # what the request keeps
+        planner = RecordingPlanner(engine.cost_model(), engine.max_nodes, engine.block_size - 1, seed=seed)
+        state, rows = target.prefill(target.prepare(messages), taps=taps)
+        source = CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k)
+        committed = [int(rows.logits[-1].argmax())]
+        planner.begin("r", entropy_nats(rows.logits[-1]))
+        while len(committed) < end:
+            room = limit - len(committed)
+            batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()],
+                               stops=[stops], room=[room])
+            r = speculative_round(batch, planner, [source], CachePass(target, state, taps),
+                                  max_depth=engine.block_size - 1)
+            nodes = r.tree.tokens[0, 1:].tolist()
+            assert not stops & set(nodes) and int(r.tree.depths.max()) <= room - 1
+            assert room > 1 or (not r.drafted and r.tree.num_rows == 1)
+            last_steps += room == 1
+            committed += r.walk.committed()[0]
+        assert committed[:end] == ar[:end]
+    assert last_steps > 0

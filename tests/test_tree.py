@@ -32,7 +32,9 @@ from glance_sgl.tree import (
     spread_requests,
     topk_per_offset,
     tree_pointers,
+    without_ended,
 )
+from glance_sgl.tree import _without_ended_batch
 from glance_sgl.verify import SamplingSpec, target_choices, verify_tree
 
 
@@ -689,3 +691,72 @@ def test_is_chain_tells_one_path_from_a_branching_tree():
 
     assert is_chain([0]) and is_chain([0, 1, 2, 3])
     assert not is_chain([0, 1, 1]) and not is_chain([0, 1, 2, 2])
+
+
+def _until_end(tokens: list[int], stops: frozenset[int], room: int) -> list[int]:
+    """What a request keeps of committed tokens: up to its first stop token (included) and ``room`` tokens."""
+    out = []
+    for t in tokens[:room]:
+        out.append(t)
+        if t in stops:
+            break
+    return out
+
+
+def test_rows_past_a_requests_end_are_dropped_and_the_rest_keeps_its_order():
+    """``without_ended``: a stop token's row and every row below it go, and rows deeper than ``room - 1``; the
+    others keep their order (best-first, parents remapped), narrower requests are padded as ``pack_trees`` pads,
+    and a tree with nothing to drop is returned as it is."""
+    #          root  a  b  EOS  c(a) d(EOS) e(c)  f(b)
+    tokens = torch.tensor([[5, 1, 2, 9, 3, 4, 6, 7],
+                           [5, 1, 2, 9, 3, 4, 6, 7]])
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 3, 4, 2]] * 2)
+    depths = torch.tensor([[0, 1, 1, 1, 2, 2, 3, 2]] * 2)
+    scores = -torch.arange(8, dtype=torch.float32).expand(2, 8)
+    tree = DraftTree(tokens, parents, depths, scores.clone(), None)
+    assert without_ended(tree, [frozenset({8})] * 2, None) is tree
+    assert without_ended(tree, None, [4, 4]) is tree and without_ended(tree, None, None) is tree
+    out = without_ended(tree, [frozenset({9}), frozenset()], [10, 3])
+    # request 0: EOS (row 3) and its child (row 5) dropped; request 1: depth 3 (row 6) dropped (room 3: depth <= 2)
+    assert out.tokens.tolist() == [[5, 1, 2, 3, 6, 7, 5], [5, 1, 2, 9, 3, 4, 7]]
+    assert out.parents.tolist() == [[-1, 0, 0, 1, 3, 2, 0], [-1, 0, 0, 0, 1, 3, 2]]
+    assert out.depths.tolist() == [[0, 1, 1, 2, 3, 2, 1], [0, 1, 1, 1, 2, 2, 2]]
+    assert out.scores[0, :6].tolist() == [0.0, -1.0, -2.0, -4.0, -6.0, -7.0] and out.scores[0, 6] == float("-inf")
+    assert out.sources.tolist() == [[SOURCE_NONE] + [SOURCE_DRAFTER] * 5 + [SOURCE_NONE],
+                                    [SOURCE_NONE] + [SOURCE_DRAFTER] * 6]
+    check_tree_invariants(out)
+    only_root = without_ended(tree, [frozenset({1, 2, 9})] * 2, [1, 1])
+    assert only_root.num_rows == 1 and only_root.tokens.tolist() == [[5], [5]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dropping_the_rows_past_the_end_commits_the_same_tokens(seed):
+    """Random merged trees with random stop tokens and token limits: the walk over the tree without the rows past
+    each request's end commits, up to that end, the target's own output (greedy and seeded sampling), at least as
+    many tokens as the walk over the whole tree, and never verifies more rows."""
+    rng = random.Random(seed)
+    target = TableTarget(vocab=8, seed=seed, sharpness=3.0)
+    acc = SourceAcceptance(max_depth=6)
+    dropped = 0
+    for _ in range(30):
+        prompts = [[rng.randrange(8) for _ in range(rng.randint(3, 12))] for _ in SPECS]
+        tree = merge_trees([noisy_drafter_tree(target, prompts, rng, hit=0.8), lookup_tree(prompts, 24, acc)],
+                           rng.choice([6, 12, 24]))
+        stops = [frozenset(rng.sample(range(8), rng.randint(0, 2))) for _ in SPECS]
+        room = [rng.randint(1, 7) for _ in SPECS]
+        cut = without_ended(tree, stops, room)
+        check_tree_invariants(cut)
+        if cut is not tree:  # a large batch's tensor ops drop the same rows as the host lists
+            batch = _without_ended_batch(tree, stops, [max(r - 1, 0) for r in room])
+            for field in ("tokens", "parents", "depths", "scores", "sources"):
+                assert torch.equal(getattr(batch, field), getattr(cut, field)), field
+        assert cut.num_rows <= tree.num_rows
+        dropped += int((tree.scores > float("-inf")).sum() - (cut.scores > float("-inf")).sum())
+        index = torch.zeros(len(prompts), dtype=torch.long)  # the first output token of each request
+        whole, part = (verify_tree(t.tokens, t.parents, t.depths, target.tree_logits(prompts, t), index, SPECS)
+                       for t in (tree, cut))
+        for b, (a, c) in enumerate(zip(whole.committed(), part.committed())):
+            own = _until_end(ar_decode(target, prompts[b], SPECS[b], 8), stops[b], room[b])
+            a, c = _until_end(a, stops[b], room[b]), _until_end(c, stops[b], room[b])
+            assert c == own[:len(c)] and a == own[:len(a)] and len(c) >= len(a)
+    assert dropped > 0

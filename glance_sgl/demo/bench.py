@@ -216,15 +216,16 @@ class TaskResult:
 
     def add_law_rounds(self, metrics) -> None:
         """A drafting run's rounds: every drafting round (rows > 1) for the mean entropy, all of them but the
-        request's last round for the law. Root entropies are per round, or per drafting round when a planner's
-        rounds without drafting record none."""
+        request's last drafting round for the law (the answer's end, or its token limit, cuts that one short; a
+        last round with room for one token is an AR step). Root entropies are per round, or per drafting round
+        when a planner's rounds without drafting record none."""
         rows, accepts, h = metrics.rows_per_round, metrics.accept_lengths, metrics.root_entropies
         drafting = [i for i, r in enumerate(rows) if r > 1]
         if len(h) == len(rows):
             h = [h[i] for i in drafting]
         elif len(h) != len(drafting):
             return  # entropies that cannot be matched with rounds: leave them out rather than guess
-        last = len(rows) - 1
+        last = drafting[-1] if drafting else -1
         self.entropies += h
         self.law_entropies += [x for x, i in zip(h, drafting) if i != last]
         self.law_accepts += [accepts[i] for i in drafting if i != last]

@@ -94,6 +94,26 @@ def sampling_spec(req) -> SamplingSpec:
     return SamplingSpec(temperature, float(getattr(sp, "top_p", 1.0) or 1.0), int(seed))
 
 
+def request_end(req) -> tuple[frozenset[int], int, int | None]:
+    """What ends ``req`` as SGLang checks it (``Req._check_token_based_finish``, ``max_new_tokens``): the token ids
+    that stop it (its stop token ids, the model's and the tokenizer's EOS ids and extra stop ids; none with
+    ``ignore_eos``), the output length before which they do not (``min_new_tokens``) and its token limit (None:
+    none)."""
+    sp = req.sampling_params
+    ids: set[int] = set()
+    if not getattr(sp, "ignore_eos", False):
+        ids.update(getattr(sp, "stop_token_ids", None) or ())
+        ids.update(getattr(req, "eos_token_ids", None) or ())
+        tok = getattr(req, "tokenizer", None)
+        if tok is not None:
+            if isinstance(getattr(tok, "eos_token_id", None), int):
+                ids.add(tok.eos_token_id)
+            ids.update(getattr(tok, "additional_stop_token_ids", None) or ())
+    limit = getattr(sp, "max_new_tokens", None)
+    return frozenset(int(t) for t in ids), int(getattr(sp, "min_new_tokens", 0) or 0), \
+        None if limit is None else int(limit)
+
+
 class StepStats:
     """Counts of decode steps by rows verified per request (0 = an AR step: no candidate verified), and the mean
     wall ms per step of each part of the round (``RoundResult.phases``) and of the time between rounds
@@ -247,7 +267,8 @@ class GlanceWorker(BaseSpecWorker):
         # (forgotten after it)
         self._pending: tuple[RoundResult, float | None, float, set] | None = None
         self._finishing: set = set()
-        self._sampling: dict[str, tuple[object, SamplingSpec]] = {}  # rid -> (its Req, its sampling): ``_specs``
+        # rid -> (its Req, its sampling, what ends it): ``_specs``
+        self._sampling: dict[str, tuple[object, SamplingSpec, tuple[frozenset[int], int, int | None]]] = {}
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
                     "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
                     self.planner_mode, "cached" if cached is not None else "calibrated on the first batches")
@@ -338,16 +359,25 @@ class GlanceWorker(BaseSpecWorker):
             self._forget(rid)
         self._finishing.clear()
 
-    def _specs(self, reqs) -> list[SamplingSpec]:
-        """Each request's sampling (:func:`sampling_spec`), read once per request object: its sampling parameters
-        do not change while it runs (a new request under a reused id is another object, read again)."""
-        out = []
+    def _specs(self, reqs) -> tuple[list[SamplingSpec], list[frozenset[int]], list[int]]:
+        """Each request's sampling (:func:`sampling_spec`), the token ids that end it now and the tokens it may
+        still commit (``RoundBatch.stops`` / ``room``; :func:`request_end`), read once per request object: its
+        sampling parameters do not change while it runs (a new request under a reused id is another object, read
+        again). Its output length comes from ``req.output_ids``, which lags a step behind under overlap
+        scheduling: the room read is then a step too large, and a stop token held back a step longer near
+        ``min_new_tokens``, which only drops fewer rows."""
+        specs, stops, room = [], [], []
+        none: frozenset[int] = frozenset()
         for req in reqs:
             known = self._sampling.get(req.rid)
             if known is None or known[0] is not req:
-                known = self._sampling[req.rid] = (req, sampling_spec(req))
-            out.append(known[1])
-        return out
+                known = self._sampling[req.rid] = (req, sampling_spec(req), request_end(req))
+            ids, min_new, limit = known[2]
+            out = len(req.output_ids)
+            specs.append(known[1])
+            stops.append(ids if out >= min_new else none)
+            room.append(limit - out if limit is not None else 1 << 30)
+        return specs, stops, room
 
     def _forget(self, rid: str) -> None:
         self._sampling.pop(rid, None)
@@ -673,7 +703,8 @@ class GlanceWorker(BaseSpecWorker):
         if self.ngram is not None:  # the n-gram source's host corpus
             roots_host, committed = self._host_roots(batch, committed, roots, next_index)
             tokens = _RequestTokens(batch.reqs, self._vocab, roots_host, committed)
-        rounds = RoundBatch(rids, roots, next_index, self._specs(batch.reqs), tokens, roots_host)
+        specs, stops, room = self._specs(batch.reqs)
+        rounds = RoundBatch(rids, roots, next_index, specs, tokens, roots_host, stops=stops, room=room)
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
         source = PoolDrafter(self, batch, seq_lens_cpu)
         sources = [source] if "drafter" in self._sources else []
