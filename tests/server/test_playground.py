@@ -117,9 +117,10 @@ def check_stream(url: str, body: dict, headers: dict | None = None) -> list[dict
 
 def test_stream_rounds_add_up(gateway, auth, demo_gateway):
     """Embedded: one glance_round per round, accepted + bonus = committed, the text is the non-streamed
-    answer; a last round cut by max_tokens is restated (its bonus cut off); plain streams carry no
-    glance_round. The random model (rounds of few tokens) and the demo VLM on a scene it answers in long
-    rounds (max_tokens cuts the first round, then the second)."""
+    answer; a round at max_tokens drafts no deeper than the limit (its last token the bonus), a round with room
+    for one token is an AR step; plain streams carry no glance_round. The random model (rounds of few tokens)
+    and the demo VLM on a scene it answers in long rounds (max_tokens within the first round, then the
+    second)."""
     for seed in range(2):
         check_stream(gateway.url, {"messages": image_message("describe it", seed=seed), "max_tokens": 10,
                                    "temperature": 0, "stream": True, "glance": {"stream_rounds": True}}, auth)
@@ -131,9 +132,9 @@ def test_stream_rounds_add_up(gateway, auth, demo_gateway):
     full = [i["tokens"] for i in check_stream(demo_gateway.url, {**body, "max_tokens": 64})]
     assert len(full) >= 2 and full[0] >= 3 and full[1] >= 2, full
     first = check_stream(demo_gateway.url, {**body, "max_tokens": full[0] - 1})  # 1 + full[0] - 2 tokens
-    assert [(i["tokens"], i["accepted"], i["bonus"]) for i in first] == [(full[0] - 2, full[0] - 2, 0)]
+    assert [(i["tokens"], i["accepted"], i["bonus"]) for i in first] == [(full[0] - 2, full[0] - 3, 1)]
     second = check_stream(demo_gateway.url, {**body, "max_tokens": full[0] + 2})
-    assert [(i["tokens"], i["accepted"], i["bonus"]) for i in second] == [(full[0], full[0] - 1, 1), (1, 1, 0)]
+    assert [(i["tokens"], i["accepted"], i["bonus"]) for i in second] == [(full[0], full[0] - 1, 1), (1, 0, 1)]
     plain_chunks = stream_chunks(demo_gateway.url, {**body, "max_tokens": 18, "glance": None})
     assert not any("glance_round" in c for c in plain_chunks)
 
