@@ -18,7 +18,6 @@ losslessness does not depend on the sources.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Sequence
@@ -504,11 +503,12 @@ def without_ended(tree: DraftTree, stops: Sequence[frozenset[int]] | None, room:
     than ``room - 1`` (a round commits its accepted rows and one bonus token; the rest is cut off at the limit).
     Where an answer ends inside a round, the drafter still proposes a full block past its end: a sixth of the rows
     of the demo tasks' rounds. The rows kept keep their order, so the tree stays best-first and prefix-closed;
-    a request left with fewer rows than the widest is padded as :func:`pack_trees` pads, and the tree is as wide as
-    its widest request's kept rows. What the walk commits is unchanged on any tree (lossless); the round verifies
-    fewer rows and the planner does not count on tokens after the end. Returns ``tree`` itself where nothing is
-    dropped. Plain lists for a few small trees (the embedded engine's: tens of microseconds), tensor ops for a
-    batch."""
+    a request left with fewer rows than the widest is padded as :func:`pack_trees` pads (an untagged tree stays
+    untagged: its padding's scores of -inf keep it out of every plan), and the tree is as wide as its widest
+    request's kept rows. What the walk commits is unchanged
+    on any tree (lossless); the round verifies fewer rows and the planner does not count on tokens after the end.
+    Returns ``tree`` itself where nothing is dropped (a few list passes for a few small trees, tensor ops for a
+    large batch)."""
     if tree.num_rows == 1 or (stops is None and room is None):
         return tree
     bs, n = tree.tokens.shape
@@ -518,27 +518,35 @@ def without_ended(tree: DraftTree, stops: Sequence[frozenset[int]] | None, room:
     if bs * n > HOST_MASK_CELLS:
         return _without_ended_batch(tree, stops, caps)
     tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-    kept_rows: list[list[int]] = []
+    kept: list[list[int]] = []
     for tok, par, dep, ids, cap in zip(tokens, parents, depths, stops, caps):
         if max(dep) <= cap and not (ids and any(t in ids for t in tok[1:])):
-            kept_rows.append(list(range(n)))
+            kept.append(list(range(n)))
             continue
         dead = [False] * n
         for i in range(1, n):
             p = par[i]
             dead[i] = tok[i] in ids or dep[i] > cap or (p > 0 and dead[p])
-        kept_rows.append([i for i in range(n) if not dead[i]])
-    if all(len(k) == n for k in kept_rows):
+        kept.append([i for i in range(n) if not dead[i]])
+    if min(len(k) for k in kept) == n:
         return tree
-    width = max(len(k) for k in kept_rows)
-    scores, tags = tree.scores.tolist(), tree.source_tags().tolist()
-    packed = []
-    for b, kept in enumerate(kept_rows):
-        new_row = {old: new for new, old in enumerate(kept)}
-        packed.append(([tokens[b][i] for i in kept], [new_row.get(parents[b][i], -1) for i in kept],
-                       [depths[b][i] for i in kept], [scores[b][i] for i in kept], [tags[b][i] for i in kept]))
-    out = pack_trees(packed, tree.tokens.device)
-    return out if bs > 1 or tree.sources is not None else dataclasses.replace(out, sources=None)
+    width = max(len(k) for k in kept)
+    scores = tree.scores.tolist()
+    tags = None if tree.sources is None else tree.sources.tolist()
+    out: list[list[list[int]]] = [[], [], [], []]  # tokens, parents, depths, tags
+    out_scores: list[list[float]] = []
+    for b, rows in enumerate(kept):  # pack_trees's padding past a request's kept rows
+        pad = width - len(rows)
+        new_row = {old: new for new, old in enumerate(rows)}
+        out[0].append([tokens[b][i] for i in rows] + [tokens[b][0]] * pad)
+        out[1].append([new_row.get(parents[b][i], -1) for i in rows] + [0] * pad)
+        out[2].append([depths[b][i] for i in rows] + [1] * pad)
+        out_scores.append([scores[b][i] for i in rows] + [float("-inf")] * pad)
+        if tags is not None:
+            out[3].append([tags[b][i] for i in rows] + [SOURCE_NONE] * pad)
+    ints = torch.tensor(out if tags is not None else out[:3], dtype=torch.long)
+    return DraftTree(ints[0], ints[1], ints[2], torch.tensor(out_scores, dtype=torch.float32),
+                     ints[3] if tags is not None else None)
 
 
 def _without_ended_batch(tree: DraftTree, stops: Sequence[frozenset[int]], caps: list[int]) -> DraftTree:
@@ -565,17 +573,25 @@ def _without_ended_batch(tree: DraftTree, stops: Sequence[frozenset[int]], caps:
         dead |= dead.gather(1, up)
         up = up.gather(1, up)
     dead[:, 0] = False
-    kept = (~dead).sum(dim=1)
-    width = int(kept.max())
     order = torch.argsort(dead.to(torch.int8), dim=1, stable=True)  # each request's kept rows first, in order
-    new_row = torch.empty_like(order).scatter_(1, order, torch.arange(n).expand(bs, n).contiguous())
-    pad = torch.arange(width)[None, :] >= kept[:, None]
-    old_parents = tree.parents.gather(1, order)[:, :width]
+    return _kept_first(tree, order, (~dead).sum(dim=1).tolist())
+
+
+def _kept_first(tree: DraftTree, order: torch.Tensor, kept: list[int]) -> DraftTree:
+    """``tree``'s rows in ``order`` ([B, R]: each request's ``kept[b]`` rows first, in their order), parents
+    renumbered, as wide as the most rows kept; a request's rows past its kept ones are padding (:func:`pack_trees`'s:
+    a child of the root carrying its token, score -inf, untagged)."""
+    bs, n = order.shape
+    width = max(kept)
+    order = order[:, :width]
+    new_row = torch.empty(bs, n, dtype=torch.long).scatter_(1, order, torch.arange(width).expand(bs, width).contiguous())
+    old_parents = tree.parents.gather(1, order)
     parents = torch.where(old_parents >= 0, new_row.gather(1, old_parents.clamp(min=0)), old_parents)
-    tokens = torch.where(pad, tok[:, :1], tok.gather(1, order)[:, :width])
-    return DraftTree(tokens, parents.masked_fill(pad, 0), dep.gather(1, order)[:, :width].masked_fill(pad, 1),
-                     tree.scores.gather(1, order)[:, :width].masked_fill(pad, float("-inf")),
-                     tree.source_tags().gather(1, order)[:, :width].masked_fill(pad, SOURCE_NONE))
+    pad = torch.arange(width)[None, :] >= torch.tensor(kept)[:, None]
+    sources = None if tree.sources is None else tree.sources.gather(1, order).masked_fill(pad, SOURCE_NONE)
+    return DraftTree(torch.where(pad, tree.tokens[:, :1], tree.tokens.gather(1, order)), parents.masked_fill(pad, 0),
+                     tree.depths.gather(1, order).masked_fill(pad, 1),
+                     tree.scores.gather(1, order).masked_fill(pad, float("-inf")), sources)
 
 
 def accepted_per_source(tree: DraftTree, accepted_rows: torch.Tensor) -> dict[int, torch.Tensor]:

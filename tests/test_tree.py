@@ -705,8 +705,9 @@ def _until_end(tokens: list[int], stops: frozenset[int], room: int) -> list[int]
 
 def test_rows_past_a_requests_end_are_dropped_and_the_rest_keeps_its_order():
     """``without_ended``: a stop token's row and every row below it go, and rows deeper than ``room - 1``; the
-    others keep their order (best-first, parents remapped), narrower requests are padded as ``pack_trees`` pads,
-    and a tree with nothing to drop is returned as it is."""
+    others keep their order (best-first, parents renumbered), a request with fewer rows left than the widest is
+    padded as ``pack_trees`` pads, an untagged tree stays untagged, and a tree with nothing to drop is returned as
+    it is; a large batch's tensor ops drop the same rows."""
     #          root  a  b  EOS  c(a) d(EOS) e(c)  f(b)
     tokens = torch.tensor([[5, 1, 2, 9, 3, 4, 6, 7],
                            [5, 1, 2, 9, 3, 4, 6, 7]])
@@ -722,9 +723,17 @@ def test_rows_past_a_requests_end_are_dropped_and_the_rest_keeps_its_order():
     assert out.parents.tolist() == [[-1, 0, 0, 1, 3, 2, 0], [-1, 0, 0, 0, 1, 3, 2]]
     assert out.depths.tolist() == [[0, 1, 1, 2, 3, 2, 1], [0, 1, 1, 1, 2, 2, 2]]
     assert out.scores[0, :6].tolist() == [0.0, -1.0, -2.0, -4.0, -6.0, -7.0] and out.scores[0, 6] == float("-inf")
-    assert out.sources.tolist() == [[SOURCE_NONE] + [SOURCE_DRAFTER] * 5 + [SOURCE_NONE],
-                                    [SOURCE_NONE] + [SOURCE_DRAFTER] * 6]
-    check_tree_invariants(out)
+    assert out.sources is None
+    tagged_tree = DraftTree(tokens, parents, depths, scores.clone(), torch.full((2, 8), SOURCE_NGRAM))
+    tagged = without_ended(tagged_tree, [frozenset({9}), frozenset()], [10, 3])
+    assert tagged.tokens.tolist() == out.tokens.tolist()
+    assert tagged.sources.tolist() == [[SOURCE_NGRAM] * 6 + [SOURCE_NONE], [SOURCE_NGRAM] * 7]
+    for t in (tree, tagged_tree):
+        a, b = without_ended(t, [frozenset({9}), frozenset()], [10, 3]), _without_ended_batch(t, [frozenset({9}),
+                                                                                              frozenset()], [9, 2])
+        for field in ("tokens", "parents", "depths", "scores"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert (a.sources is None and b.sources is None) or torch.equal(a.sources, b.sources)
     only_root = without_ended(tree, [frozenset({1, 2, 9})] * 2, [1, 1])
     assert only_root.num_rows == 1 and only_root.tokens.tolist() == [[5], [5]]
 
