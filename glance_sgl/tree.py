@@ -505,10 +505,9 @@ def without_ended(tree: DraftTree, stops: Sequence[frozenset[int]] | None, room:
     of the demo tasks' rounds. The rows kept keep their order, so the tree stays best-first and prefix-closed;
     a request left with fewer rows than the widest is padded as :func:`pack_trees` pads (an untagged tree stays
     untagged: its padding's scores of -inf keep it out of every plan), and the tree is as wide as its widest
-    request's kept rows. What the walk commits is unchanged
-    on any tree (lossless); the round verifies fewer rows and the planner does not count on tokens after the end.
-    Returns ``tree`` itself where nothing is dropped (a few list passes for a few small trees, tensor ops for a
-    large batch)."""
+    request's kept rows. What the walk commits is unchanged on any tree (lossless); the round verifies fewer rows
+    and the planner does not count on tokens after the end. Returns ``tree`` itself where nothing is dropped (a few
+    list passes for a few small trees, tensor ops for a large batch)."""
     if tree.num_rows == 1 or (stops is None and room is None):
         return tree
     bs, n = tree.tokens.shape
@@ -584,13 +583,14 @@ def _kept_first(tree: DraftTree, order: torch.Tensor, kept: list[int]) -> DraftT
     bs, n = order.shape
     width = max(kept)
     order = order[:, :width]
-    new_row = torch.empty(bs, n, dtype=torch.long).scatter_(1, order, torch.arange(width).expand(bs, width).contiguous())
+    # each row's new index (read for kept rows only: their parents are kept too)
+    new_row = torch.zeros(bs, n, dtype=torch.long).scatter_(1, order, torch.arange(width).expand(bs, width).clone())
     old_parents = tree.parents.gather(1, order)
     parents = torch.where(old_parents >= 0, new_row.gather(1, old_parents.clamp(min=0)), old_parents)
     pad = torch.arange(width)[None, :] >= torch.tensor(kept)[:, None]
     sources = None if tree.sources is None else tree.sources.gather(1, order).masked_fill(pad, SOURCE_NONE)
-    return DraftTree(torch.where(pad, tree.tokens[:, :1], tree.tokens.gather(1, order)), parents.masked_fill(pad, 0),
-                     tree.depths.gather(1, order).masked_fill(pad, 1),
+    tokens = torch.where(pad, tree.tokens[:, :1], tree.tokens.gather(1, order))
+    return DraftTree(tokens, parents.masked_fill(pad, 0), tree.depths.gather(1, order).masked_fill(pad, 1),
                      tree.scores.gather(1, order).masked_fill(pad, float("-inf")), sources)
 
 

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"commit": args.commit, "limit": args.limit, "max_tokens": args.max_tokens,
                     "clock": "process CPU time, 1 thread" if args.cpu_clock else "wall",
                     "drafter_compiled": args.compile_drafter, "tasks": {}}
-    shown = ("auto", "fixed", "chain", "merged", "base_glance", "base_chain") + tuple(n for n in ("base_merged",) if n in runs)
+    shown = ("auto", "fixed", "chain", "merged", "base_glance", "base_chain") + tuple(
+        n for n in ("base_merged",) if n in runs)
     print(f"{'task':>9} | {'AR ms/tok':>9} | " + " | ".join(f"{n + ' x':>13} {'tau':>5} {'rc':>5}" for n in shown)
           + " | lossless (base)")
     for task in tasks:
