@@ -529,23 +529,14 @@ def without_ended(tree: DraftTree, stops: Sequence[frozenset[int]] | None, room:
         kept.append([i for i in range(n) if not dead[i]])
     if min(len(k) for k in kept) == n:
         return tree
-    width = max(len(k) for k in kept)
-    scores = tree.scores.tolist()
-    tags = None if tree.sources is None else tree.sources.tolist()
-    out: list[list[list[int]]] = [[], [], [], []]  # tokens, parents, depths, tags
-    out_scores: list[list[float]] = []
-    for b, rows in enumerate(kept):  # pack_trees's padding past a request's kept rows
-        pad = width - len(rows)
+    scores, tags = tree.scores.tolist(), tree.source_tags().tolist()
+    packed = []
+    for b, rows in enumerate(kept):
         new_row = {old: new for new, old in enumerate(rows)}
-        out[0].append([tokens[b][i] for i in rows] + [tokens[b][0]] * pad)
-        out[1].append([new_row.get(parents[b][i], -1) for i in rows] + [0] * pad)
-        out[2].append([depths[b][i] for i in rows] + [1] * pad)
-        out_scores.append([scores[b][i] for i in rows] + [float("-inf")] * pad)
-        if tags is not None:
-            out[3].append([tags[b][i] for i in rows] + [SOURCE_NONE] * pad)
-    ints = torch.tensor(out if tags is not None else out[:3], dtype=torch.long)
-    return DraftTree(ints[0], ints[1], ints[2], torch.tensor(out_scores, dtype=torch.float32),
-                     ints[3] if tags is not None else None)
+        packed.append(([tokens[b][i] for i in rows], [new_row.get(parents[b][i], -1) for i in rows],
+                       [depths[b][i] for i in rows], [scores[b][i] for i in rows], [tags[b][i] for i in rows]))
+    out = pack_trees(packed, tree.tokens.device)
+    return out if tree.sources is not None else DraftTree(out.tokens, out.parents, out.depths, out.scores, None)
 
 
 def _without_ended_batch(tree: DraftTree, stops: Sequence[frozenset[int]], caps: list[int]) -> DraftTree:

@@ -267,7 +267,7 @@ class GlanceWorker(BaseSpecWorker):
         # (forgotten after it)
         self._pending: tuple[RoundResult, float | None, float, set] | None = None
         self._finishing: set = set()
-        # rid -> (its Req, its sampling, what ends it): ``_specs``
+        # rid -> (its Req, its sampling, what ends it): ``_sampling_and_ends``
         self._sampling: dict[str, tuple[object, SamplingSpec, tuple[frozenset[int], int, int | None]]] = {}
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
                     "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
@@ -359,7 +359,7 @@ class GlanceWorker(BaseSpecWorker):
             self._forget(rid)
         self._finishing.clear()
 
-    def _specs(self, reqs) -> tuple[list[SamplingSpec], list[frozenset[int]], list[int]]:
+    def _sampling_and_ends(self, reqs) -> tuple[list[SamplingSpec], list[frozenset[int]], list[int]]:
         """Each request's sampling (:func:`sampling_spec`), the token ids that end it now and the tokens it may
         still commit (``RoundBatch.stops`` / ``room``; :func:`request_end`), read once per request object: its
         sampling parameters do not change while it runs (a new request under a reused id is another object, read
@@ -703,7 +703,7 @@ class GlanceWorker(BaseSpecWorker):
         if self.ngram is not None:  # the n-gram source's host corpus
             roots_host, committed = self._host_roots(batch, committed, roots, next_index)
             tokens = _RequestTokens(batch.reqs, self._vocab, roots_host, committed)
-        specs, stops, room = self._specs(batch.reqs)
+        specs, stops, room = self._sampling_and_ends(batch.reqs)
         rounds = RoundBatch(rids, roots, next_index, specs, tokens, roots_host, stops=stops, room=room)
         target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
         source = PoolDrafter(self, batch, seq_lens_cpu)
