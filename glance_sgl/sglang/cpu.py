@@ -9,10 +9,11 @@ A development and CI mode, loaded only when the device is the CPU:
   ``ragged_tree_mask`` of ``glance_sgl.sglang.glance_info.GlanceVerifyInput``).
   Select it with ``--attention-backend glance_cpu`` (``--device cpu``).
 - torch versions of the speculative bookkeeping ops that SGLang runs as Triton / ``sgl_kernel`` code
-  (``assign_req_to_token_pool``, the cache-location fills, ``verify_tree_greedy``...), and the CPU KV pool's
-  warm-up without Triton: SGLang HookRegistry AROUND hooks (:func:`register_cpu_hooks`) that take the torch port
-  for CPU tensors and SGLang's own function for any other device (so SGLang's own NGRAM also runs here, for the
-  benchmark). GLANCE's worker itself needs none of them: it uses ``glance_sgl.verify`` and ``glance_kernels``;
+  (``assign_req_to_token_pool``, the cache-location fills, ``verify_tree_greedy``, and ``get_last_loc``, which
+  the allocator of a paged KV cache calls), and the CPU KV pool's warm-up without Triton: SGLang HookRegistry
+  AROUND hooks (:func:`register_cpu_hooks`) that take the torch port for CPU tensors and SGLang's own function for
+  any other device (so SGLang's own NGRAM also runs here, for the benchmark). GLANCE's worker itself needs none of
+  them: it uses ``glance_sgl.verify`` and ``glance_kernels``;
 - module stand-ins where SGLang imports a CUDA-only module at import time, which no hook can precede: a
   ``vllm._custom_ops`` (SGLang's rotary embedding imports ``rotary_embedding`` from it off CUDA and never calls it
   on the CPU path) and an ``sgl_kernel.speculative`` holding only ``reconstruct_indices_from_tree_mask``.
@@ -159,6 +160,14 @@ def install_sgl_kernel_stub() -> bool:
     return True
 
 
+def get_last_loc(req_to_token, req_pool_indices, prefix_lens):
+    """The KV slot of each request's last cached token (-1 where it has none): what a paged allocator (page size
+    > 1) continues from, SGLang's torch version (its dispatcher picks Triton for any backend but torch_native)."""
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+    return get_last_loc_torch(req_to_token, req_pool_indices, prefix_lens)
+
+
 def verify_tree_greedy_port(predicts, accept_index, accept_token_num, candidates, retrieve_index,
                             retrieve_next_token, retrieve_next_sibling, target_predict, topk=-1):
     """``eagle_utils.verify_tree_greedy_func``'s contract (outputs in place, returned) on the torch port."""
@@ -180,6 +189,7 @@ CPU_PORTS = (
     ("sglang.kernels.ops.speculative.cache_locs", "assign_extend_cache_locs_func", assign_extend_cache_locs, 0),
     ("sglang.srt.speculative.ngram_worker", "assign_extend_cache_locs_func", assign_extend_cache_locs, 0),
     ("sglang.srt.speculative.eagle_utils", "verify_tree_greedy_func", verify_tree_greedy_port, 0),
+    ("sglang.srt.mem_cache.allocation", "get_last_loc", get_last_loc, 0),
 )
 
 

@@ -8,7 +8,9 @@ tree sizes and plain AR steps without the drafter pass, the cost calibration's e
 several requests in flight, greedy and seeded sampling, with the n-gram source's candidates merged with the
 drafter's (``GLANCE_DRAFT_SOURCES=drafter,ngram``: merged trees, n-gram-only steps, drafter-only steps and AR
 steps) and ragged passes (``GLANCE_SGL_RAGGED_VERIFY=1``: in half its batches each request verifies its own random
-number of rows), and must give the same tokens too. A fourth runs the same random rounds under SGLang's overlap scheduler
+number of rows) on a paged KV cache (``--page-size 16``: the accepted rows' K/V move to the front of the verify
+window, ``glance_kernels.compact_kv``, where the other engines reorder token slots), and must give the same tokens
+too. A fourth runs the same random rounds under SGLang's overlap scheduler
 (the V2 worker with ``FutureMap`` relay: the scheduler processes a step's results after launching the next) and
 must give the same tokens at 1 and 4 in flight, greedy and seeded. A fifth drafts from n-gram matches alone
 (``GLANCE_DRAFT_SOURCES=ngram``: its passes capture no tap features and feed no drafter context) under the random
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.slow
 N_PROMPTS = 20
 MAX_TOKENS = 24
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+PAGED = 16  # the random planner's engine: a paged KV cache, whose accepted rows' K/V move (glance_kernels.compact_kv)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def run(checkpoints, tmp_path_factory):
     glance = EngineProcess(cpu_engine_kwargs(target, drafter),  # the drafter alone: its tau is the embedded one's
                            env={**STRICT, "GLANCE_PLANNER": "fixed", "GLANCE_DRAFT_SOURCES": "drafter"},
                            log_path=logs / "glance.log", wait=False)
-    rand = EngineProcess(cpu_engine_kwargs(target, drafter),
+    rand = EngineProcess(cpu_engine_kwargs(target, drafter, page_size=PAGED),
                          env={**STRICT, "GLANCE_PLANNER": "random:11", "GLANCE_COST_CACHE": "off",
                               "GLANCE_DRAFT_SOURCES": "drafter,ngram", "GLANCE_SGL_RAGGED_VERIFY": "1"},
                          log_path=logs / "random.log", wait=False)
@@ -194,8 +197,9 @@ def test_sampling_is_seeded_and_equals_embedded(run):
 
 
 def test_random_tree_sizes_and_ar_steps_stay_lossless(run):
-    """Random tree sizes (0 .. 31 nodes) and plain AR steps, 6 requests in flight joining and leaving: the same
-    greedy tokens as SGLang without speculation, and seeded samples equal to the fixed tree's (and the embedded
+    """Random tree sizes (0 .. 31 nodes) and plain AR steps, 6 requests in flight joining and leaving, on a paged
+    KV cache (16 tokens a page: the accepted K/V are moved, not their slots reordered): the same greedy tokens as
+    SGLang without speculation (one token a page), and seeded samples equal to the fixed tree's (and the embedded
     engine's for the first)."""
     for i, (g, p) in enumerate(zip(run["random_greedy"], run["plain"])):
         assert g["output_ids"] == p["output_ids"], f"prompt {i}: random planner vs SGLang without speculation"
