@@ -238,6 +238,38 @@ def register_state_hook() -> None:
     HookRegistry.apply_hooks()
 
 
+# SGLang's slot table (``req_to_token``) gives each request ``context length + get_req_to_token_extra_context_len()``
+# columns; the function is read where the table is built, under the name ``kv_cache_configurator`` imported
+_ROW_HEADROOM = ("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len",
+                 "sglang.srt.mem_cache.kv_cache_configurator.get_req_to_token_extra_context_len")
+
+
+def _decode_reserve_headroom(result: int, *args: Any, **kwargs: Any) -> int | None:
+    """AFTER hook of SGLang's ``get_req_to_token_extra_context_len`` (a request's slot-table row past the context
+    length): with GLANCE, at least what a decode step reserves past the committed tokens (SGLang's double buffer,
+    ``get_alloc_reserve_per_decode``: 2 x ``--speculative-num-draft-tokens``) plus a page's rounding. SGLang widens
+    the row that far only for a paged cache with a draft tree (``page_size > 1``); at one token a page a plugin
+    algorithm gets ``4 + N`` columns, and a request within ``N - 4`` tokens of the context length reserved past its
+    row: the next request's row on a GPU, a crash in the CPU mode's port (NGRAM alike). A few int32 columns per
+    request slot; None (SGLang's own) for another algorithm."""
+    from sglang.srt.mem_cache.allocation_sizing import (get_alloc_page_size, get_alloc_reserve_per_decode,
+                                                         get_spec as runtime_spec)
+
+    if runtime_spec().speculative_algorithm != ALGORITHM:
+        return None
+    return max(int(result), get_alloc_reserve_per_decode() + get_alloc_page_size() - 1)
+
+
+def register_headroom_hook() -> None:
+    """Register :func:`_decode_reserve_headroom` with SGLang's HookRegistry (idempotent)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target in _ROW_HEADROOM:
+        if not any(hook is _decode_reserve_headroom for _, hook, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, _decode_reserve_headroom, HookType.AFTER)
+    HookRegistry.apply_hooks()
+
+
 def register_model() -> None:
     from sglang.srt.models.registry import ModelRegistry
 
@@ -271,4 +303,5 @@ def register_all() -> None:
         register_graph_hooks()
         register_target_hooks()
         register_state_hook()
+        register_headroom_hook()
         register_model()

@@ -3,8 +3,9 @@
 GLANCE through SGLang must give exactly the tokens of the same engine without speculation and of the embedded
 engine's AR decoding, at batch 1 and with 4 concurrent requests; its accept length (fixed planner: the full tree
 every step) must agree with the embedded engine's tau (fixed planner too); SGLang's strict memory check stays on
-and no KV slot leaks. A third engine runs the test-only random planner (``GLANCE_PLANNER=random:SEED``: random
-tree sizes and plain AR steps without the drafter pass, the cost calibration's extra passes included) with
+and no KV slot leaks; requests that decode up to the context length give plain SGLang's tokens (what SGLang
+reserves past a request's tokens each step fits GLANCE's slot-table rows). A third engine runs the test-only
+random planner (``GLANCE_PLANNER=random:SEED``: random tree sizes and plain AR steps without the drafter pass, the cost calibration's extra passes included) with
 several requests in flight, greedy and seeded sampling, with the n-gram source's candidates merged with the
 drafter's (``GLANCE_DRAFT_SOURCES=drafter,ngram``: merged trees, n-gram-only steps, drafter-only steps and AR
 steps) and ragged passes (``GLANCE_SGL_RAGGED_VERIFY=1``: in half its batches each request verifies its own random
@@ -39,6 +40,24 @@ N_PROMPTS = 20
 MAX_TOKENS = 24
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 PAGED = 16  # the random planner's engine: a paged KV cache, whose accepted rows' K/V move (glance_kernels.compact_kv)
+CONTEXT = 1024  # cpu_engine_kwargs' context length
+
+
+def _to_the_context_end(target) -> list[dict]:
+    """Text requests that decode up to the context length (prompt + max_tokens = CONTEXT - 1), their last steps
+    within ``--speculative-num-draft-tokens`` of it: what SGLang reserves past a request's tokens there must fit
+    its slot-table row."""
+    from transformers import AutoTokenizer
+
+    from glance_sgl.sglang.runner import chat_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    out = []
+    for words in (800, 960):
+        text = chat_prompt(tok, [{"role": "user", "content": "story " * words + "Tell me more."}])
+        out.append({"text": text, "image": None, "max_tokens": CONTEXT - 1 - len(tok(text)["input_ids"]),
+                    "temperature": 0.0})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +110,9 @@ def run(checkpoints, tmp_path_factory):
         t_ready = time.perf_counter() - t0
         batch1 = glance.generate(requests)["results"]
         plain_out = plain.generate(requests)["results"]
+        edge = _to_the_context_end(target)
+        edge_glance = glance.generate(edge, concurrent=True)["results"]
+        edge_plain = plain.generate(edge, concurrent=True)["results"]
         plain_timing = step_parts(plain, STEP_TIMING_KEY)
         plain.close()
         concurrent = []
@@ -129,7 +151,8 @@ def run(checkpoints, tmp_path_factory):
                "merged_info": merged_info, "merged_parts": merged_parts, "ngram_parts": ngram_parts,
                "plain_timing": plain_timing, "ngram_timing": ngram_timing,
                "ngram_greedy": ngram_greedy, "ngram_seeded": ngram_seeded,
-               "off_greedy": off_greedy, "off_seeded": off_seeded}
+               "off_greedy": off_greedy, "off_seeded": off_seeded, "edge_glance": edge_glance,
+               "edge_plain": edge_plain}
     finally:
         torch.set_num_threads(threads)
         glance.close()
@@ -194,6 +217,18 @@ def test_sampling_is_seeded_and_equals_embedded(run):
     a, b = run["glance"].generate([req, req])["results"]
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) >= 1
     assert a["output_ids"] == run["sampled"]
+
+
+def test_requests_decode_up_to_the_context_length(run):
+    """Requests whose answers run to the context length (the full tree every step, one token a page): SGLang
+    reserves twice the widest step past a request's tokens each step, which GLANCE's slot-table rows now hold
+    (``plugin._decode_reserve_headroom``; SGLang's own headroom of 4 + N crashed the CPU port and, on a GPU,
+    would write into the next request's row). The same tokens as SGLang without speculation, the engine alive."""
+    for i, (g, p) in enumerate(zip(run["edge_glance"], run["edge_plain"])):
+        assert g["output_ids"] == p["output_ids"], f"request {i} to the context end: GLANCE vs plain SGLang"
+        assert g["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(g["output_ids"]) > 8  # it did decode up to the end
+    assert run["glance"].alive()
 
 
 def test_random_tree_sizes_and_ar_steps_stay_lossless(run):
