@@ -2,18 +2,18 @@
 
 GLANCE through SGLang must give exactly the tokens of the same engine without speculation and of the embedded
 engine's AR decoding, at batch 1 and with 4 concurrent requests; its accept length (fixed planner: the full tree
-every step) must agree with the embedded engine's tau (fixed planner too); SGLang's strict memory check stays on
-and no KV slot leaks; requests that decode up to the context length give plain SGLang's tokens (what SGLang
-reserves past a request's tokens each step fits GLANCE's slot-table rows). A third engine runs the test-only
-random planner (``GLANCE_PLANNER=random:SEED``: random tree sizes and plain AR steps without the drafter pass, the cost calibration's extra passes included) with
-several requests in flight, greedy and seeded sampling, with the n-gram source's candidates merged with the
-drafter's (``GLANCE_DRAFT_SOURCES=drafter,ngram``: merged trees, n-gram-only steps, drafter-only steps and AR
-steps) and ragged passes (``GLANCE_SGL_RAGGED_VERIFY=1``: in half its batches each request verifies its own random
-number of rows) on a paged KV cache (``--page-size 16``: the accepted rows' K/V move to the front of the verify
-window, ``glance_kernels.compact_kv``, where the other engines reorder token slots), and must give the same tokens
-too. A fourth runs the same random rounds under SGLang's overlap scheduler
-(the V2 worker with ``FutureMap`` relay: the scheduler processes a step's results after launching the next) and
-must give the same tokens at 1 and 4 in flight, greedy and seeded. A fifth drafts from n-gram matches alone
+every step) must agree with the embedded engine's tau (fixed planner too); SGLang's strict memory check stays on and
+no KV slot leaks; requests that decode up to the context length give plain SGLang's tokens (what SGLang reserves
+past a request's tokens each step fits GLANCE's slot-table rows). A third engine runs the test-only random planner
+(``GLANCE_PLANNER=random:SEED``: random tree sizes and plain AR steps without the drafter pass, the cost
+calibration's extra passes included) with several requests in flight, greedy and seeded sampling, with the n-gram
+source's candidates merged with the drafter's (``GLANCE_DRAFT_SOURCES=drafter,ngram``: merged trees, n-gram-only
+steps, drafter-only steps and AR steps) and ragged passes (``GLANCE_SGL_RAGGED_VERIFY=1``: in half its batches each
+request verifies its own random number of rows) on a paged KV cache (``--page-size 16``: the accepted rows' K/V move
+to the front of the verify window, ``glance_kernels.compact_kv``, where the other engines reorder token slots), and
+must give the same tokens too. A fourth runs the same random rounds under SGLang's overlap scheduler (the V2 worker
+with ``FutureMap`` relay: the scheduler processes a step's results after launching the next) and must give the same
+tokens at 1 and 4 in flight, greedy and seeded. A fifth drafts from n-gram matches alone
 (``GLANCE_DRAFT_SOURCES=ngram``: its passes capture no tap features and feed no drafter context) under the random
 planner, and must give the same tokens at 4 in flight, greedy and seeded. A sixth has drafting forced off
 (``GLANCE_PLANNER=off``: no source, no tap capture, every step a plain AR step) and must give the same tokens at 4
@@ -278,7 +278,7 @@ def test_overlap_scheduler_stays_lossless(run):
     assert run["merged_info"]["disable_overlap_schedule"] is False  # the overlap scheduler did run
     # ragged passes ran (GLANCE_SGL_RAGGED_VERIFY=1): steps whose requests verified unequal rows log their mean
     assert re.search(r"GLANCE step bs=\d+ .*? target\[\d+\.\d+\]", log), "no ragged pass in the overlap engine"
-    for name in ("glance", "random", "merged", "ngram"):  # GLANCE registers supports_overlap=True: no deprecation notice
+    for name in ("glance", "random", "merged", "ngram"):  # supports_overlap=True: no deprecation notice
         assert "supports_overlap=False" not in (run["logs"] / f"{name}.log").read_text()
 
 
