@@ -52,7 +52,9 @@ class RequestError(ValueError):
 class SamplingParams:
     """Sampling parameters of one request. ``temperature == 0`` is greedy; ``seed`` None draws one.
     ``logprobs``: None (off) or k in 0..20: return each committed token's log-probability and its k best
-    alternatives (:class:`TokenLogprob`)."""
+    alternatives (:class:`TokenLogprob`). At T > 0 the target's distribution is filtered as SGLang's sampler
+    filters it: ``top_k`` most likely tokens (0: no limit), ``top_p`` nucleus, ``min_p`` times the most likely
+    token's probability (0: off); greedy decoding ignores the filters."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -60,6 +62,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     logprobs: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -68,6 +72,11 @@ class SamplingParams:
             raise RequestError(f"temperature must be between 0 and 100, got {self.temperature!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise RequestError(f"top_k must be a non-negative integer (0: no limit), got {self.top_k!r}",
+                               param="top_k")
+        if not 0.0 <= float(self.min_p) <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
@@ -519,7 +528,8 @@ class GlanceEngine:
         delta of them where it wants one: ``output.delta(tokens)``) and returns the :class:`GenerationResult`.
         ``prefill_ms`` counts the prompt's preparation (``prepare_ms``) and the prefill."""
         spec = SamplingSpec(params.temperature, params.top_p,
-                            params.seed if params.seed is not None else random.getrandbits(62))
+                            params.seed if params.seed is not None else random.getrandbits(62),
+                            top_k=params.top_k, min_p=params.min_p)
         metrics = RequestMetrics(mode=mode, block_size=self.block_size if mode != "ar" else 1)
         metrics.planner = planner.mode if planner is not None else None
         metrics.draft_sources = tuple(sources) if mode != "ar" else ()

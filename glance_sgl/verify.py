@@ -102,38 +102,66 @@ def gumbel_noise(seed: int, index: int, vocab: int, device: torch.device | str =
 
 
 def process_logprobs(
-    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0, min_p: float | torch.Tensor = 0.0,
 ) -> torch.Tensor:
-    """Log-probabilities after temperature and nucleus (top-p) filtering, fp32. [..., V] -> [..., V].
+    """Log-probabilities after temperature and the top-k, nucleus (top-p) and min-p filters, fp32. [..., V] ->
+    [..., V], renormalised over the tokens every filter keeps (-inf elsewhere), as SGLang's sampler draws:
 
-    ``temperature`` / ``top_p``: floats, or tensors broadcasting against ``logits[..., :1]`` (one value per row or
-    per request; temperatures must then be > 0, unchecked to stay on the device). Tokens outside the nucleus get
-    -inf. The nucleus is the smallest set of most likely tokens whose mass reaches ``top_p`` (the most likely token
-    is always kept); rows with ``top_p >= 1`` keep the tempered log-softmax as it is, whatever their neighbours'.
+    - ``top_k`` (> 0): the ``top_k`` most likely tokens (0: no limit);
+    - ``top_p`` (< 1): the smallest set of most likely tokens whose mass reaches ``top_p``;
+    - ``min_p`` (> 0): tokens at least ``min_p`` times as likely as the most likely one.
+
+    The filters read the tempered distribution alike; the most likely token always stays. Each value is a float
+    (int) or a tensor broadcasting against ``logits[..., :1]`` (one per row or per request; temperatures must then
+    be > 0, unchecked to stay on the device). Rows without a filter keep the tempered log-softmax as it is,
+    whatever their neighbours'.
     """
     if not isinstance(temperature, torch.Tensor) and temperature <= 0:
         raise ValueError("process_logprobs is for sampling; use argmax at temperature 0")
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if not isinstance(top_p, torch.Tensor):
-        return _nucleus(logp, top_p) if top_p < 1.0 else logp
-    return torch.where(top_p < 1.0, _nucleus(logp, top_p), logp)
+    nucleus, limited, floor = _on(top_p, lambda v: v < 1.0), _on(top_k, lambda v: v > 0), _on(min_p, lambda v: v > 0)
+    if not (nucleus or limited or floor):
+        return logp
+    drop = torch.zeros_like(logp, dtype=torch.bool)
+    if nucleus or limited:  # by rank: one sort serves both
+        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
+        out_sorted = torch.zeros_like(sorted_lp, dtype=torch.bool)
+        if nucleus:
+            mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
+            out_sorted |= mass_before >= top_p
+        if limited:
+            rank = torch.arange(logp.shape[-1], device=logp.device)
+            out_sorted |= (rank >= top_k) & (torch.as_tensor(top_k, device=logp.device) > 0)
+        drop.scatter_(-1, order, out_sorted)
+    if floor:
+        threshold = logp.amax(dim=-1, keepdim=True) + torch.log(torch.as_tensor(min_p, device=logp.device).float())
+        drop |= logp < threshold
+    filtered = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    if all(not isinstance(v, torch.Tensor) for v in (top_p, top_k, min_p)):
+        return filtered
+    any_filter = (torch.as_tensor(top_p, device=logp.device) < 1.0) | (torch.as_tensor(top_k, device=logp.device) > 0) \
+        | (torch.as_tensor(min_p, device=logp.device) > 0)
+    return torch.where(any_filter, filtered, logp)
 
 
-def _nucleus(logp: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
-    """``logp`` [..., V] renormalised over its top-p nucleus, -inf outside."""
-    sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
-    mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
-    drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
-    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+def _on(value: float | int | torch.Tensor, active) -> bool:
+    """Whether a filter is on: a number by ``active``; a tensor of per-row values always (callers pass one only
+    where some row uses the filter, and reading it back would cost a device sync)."""
+    return True if isinstance(value, torch.Tensor) else bool(active(value))
 
 
 @dataclass
 class SamplingSpec:
-    """How a request picks tokens. ``temperature == 0`` is greedy (seed and top_p unused)."""
+    """How a request picks tokens. ``temperature == 0`` is greedy (seed and the filters unused); at T > 0 the
+    target's tempered distribution, filtered by ``top_k`` (0: off), ``top_p`` and ``min_p`` (0: off) as
+    :func:`process_logprobs` does, sampled with noise keyed by ``seed``."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -167,7 +195,13 @@ def target_choices(
     top_p: float | torch.Tensor = 1.0
     if any(s.top_p < 1.0 for s in picked):
         top_p = torch.tensor([s.top_p for s in picked], dtype=torch.float32, device=dev)[:, None, None]
-    logp = process_logprobs(rows(logits), temperature, top_p)  # [S, R, V]
+    top_k: int | torch.Tensor = 0
+    if any(s.top_k > 0 for s in picked):
+        top_k = torch.tensor([s.top_k for s in picked], dtype=torch.long, device=dev)[:, None, None]
+    min_p: float | torch.Tensor = 0.0
+    if any(s.min_p > 0 for s in picked):
+        min_p = torch.tensor([s.min_p for s in picked], dtype=torch.float32, device=dev)[:, None, None]
+    logp = process_logprobs(rows(logits), temperature, top_p, top_k, min_p)  # [S, R, V]
     index = rows(depths).long() + rows(next_index).long()[:, None]
     keys = torch.tensor([_seed_keys(int(s.seed)) for s in picked], dtype=torch.long, device=dev)  # on the host
     logp += _gumbel(_keyed_uniforms(keys, index, logp.shape[-1]))

@@ -152,7 +152,8 @@ def random_specs(rng: random.Random, bs: int, kind: str = "mixed") -> list[Sampl
     def one() -> SamplingSpec:
         if kind == "greedy" or (kind == "mixed" and rng.random() < 0.4):
             return SamplingSpec()
-        return SamplingSpec(rng.choice([0.3, 0.7, 1.0, 1.6]), rng.choice([1.0, 1.0, 0.9, 0.5]), rng.randrange(1 << 62))
+        return SamplingSpec(rng.choice([0.3, 0.7, 1.0, 1.6]), rng.choice([1.0, 1.0, 0.9, 0.5]), rng.randrange(1 << 62),
+                            top_k=rng.choice([0, 0, 1, 3, 20]), min_p=rng.choice([0.0, 0.0, 0.05, 0.3]))
     return [one() for _ in range(bs)]
 
 
@@ -314,6 +315,51 @@ def test_per_request_process_logprobs_matches_the_scalar_one():
     for b in range(3):
         torch.testing.assert_close(batched[b], process_logprobs(logits[b], temperature[b], top_p[b]), rtol=0, atol=1e-6)
         assert torch.equal(torch.isinf(batched[b]), torch.isinf(process_logprobs(logits[b], temperature[b], top_p[b])))
+
+
+def test_top_k_and_min_p_filter_like_sglangs_sampler():
+    """Top-k keeps the k most likely tokens, min-p those at least min_p times as likely as the most likely one, and
+    with top-p the filters intersect (SGLang's sampler zeroes each one's tokens on the same tempered distribution);
+    the rest is renormalised. Per-request tensors give each row its own filters, and rows without any keep the
+    tempered log-softmax exactly."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = probs.log()
+    kept = lambda lp: torch.isfinite(lp).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(process_logprobs(logits, 1.0, top_k=2)) == [0, 1]
+    assert kept(process_logprobs(logits, 1.0, min_p=0.3)) == [0, 1, 2]  # >= 0.12
+    assert kept(process_logprobs(logits, 1.0, top_p=0.85, top_k=4, min_p=0.2)) == [0, 1, 2, 3]  # each: 0-3
+    assert kept(process_logprobs(logits, 1.0, top_p=0.85, top_k=4, min_p=0.3)) == [0, 1, 2]  # min-p: 0-2
+    assert kept(process_logprobs(logits, 1.0, top_p=0.6, top_k=4, min_p=0.2)) == [0, 1]  # top-p: 0-1
+    assert kept(process_logprobs(logits, 1.0, top_k=1, min_p=0.99)) == [0]
+    lp = process_logprobs(logits, 1.0, top_k=3)
+    torch.testing.assert_close(lp[:3].exp(), probs[:3] / probs[:3].sum())
+    gen = torch.Generator().manual_seed(1)
+    batch = torch.randn(4, 3, 50, generator=gen) * 3
+    temperature, top_p, top_k, min_p = [0.6, 1.0, 1.3, 0.9], [1.0, 0.8, 1.0, 1.0], [0, 5, 0, 12], [0.0, 0.1, 0.0, 0.0]
+    batched = process_logprobs(batch, torch.tensor(temperature)[:, None, None], torch.tensor(top_p)[:, None, None],
+                               torch.tensor(top_k)[:, None, None], torch.tensor(min_p)[:, None, None])
+    for b in range(4):
+        alone = process_logprobs(batch[b], temperature[b], top_p[b], top_k[b], min_p[b])
+        torch.testing.assert_close(batched[b], alone, rtol=0, atol=1e-6)
+        assert torch.equal(torch.isinf(batched[b]), torch.isinf(alone))
+    assert torch.equal(batched[0], torch.log_softmax(batch[0] / 0.6, dim=-1))  # no filter: untouched
+    assert torch.equal(batched[2], torch.log_softmax(batch[2] / 1.3, dim=-1))
+
+
+@pytest.mark.parametrize("spec", [SamplingSpec(0.9, 1.0, 5, top_k=3), SamplingSpec(1.2, 0.95, 9, min_p=0.1),
+                                  SamplingSpec(0.8, 0.9, 2, top_k=5, min_p=0.05)])
+def test_filtered_choices_follow_the_filtered_distribution(spec):
+    """20k rows at distinct output indices with top-k / min-p (and top-p): the choices' histogram is the filtered
+    distribution, and no filtered-out token is ever chosen."""
+    n, vocab = 20_000, 8
+    row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    choices = target_choices(row.expand(1, n, vocab), torch.arange(n)[None], torch.tensor([7]), [spec])[0]
+    p = process_logprobs(row, spec.temperature, spec.top_p, spec.top_k, spec.min_p).exp()
+    counts = torch.bincount(choices, minlength=vocab)
+    kept = p > 0
+    assert counts[~kept].sum() == 0 and 1 < kept.sum() < vocab
+    expected = p[kept].double() / p[kept].double().sum() * n
+    assert chisquare(counts[kept].double().numpy(), expected.numpy()).pvalue > 1e-3
 
 
 def test_choices_follow_the_processed_distribution():
