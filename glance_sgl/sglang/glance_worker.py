@@ -34,7 +34,6 @@ import contextlib
 import functools
 import logging
 import time
-import zlib
 
 import torch
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
@@ -64,6 +63,7 @@ from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceDraftInput, accept_window, build_verify_input
 from .graphs import VerifyGraphs, graph_widths
 from .planning import BatchCostModel, load_batch_costs, make_planner
+from .sampling import LogitRules, logit_rules, request_end, sampling_spec, stop_ids, unit_temperature
 from .settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -80,38 +80,6 @@ def _prefill_entropies(rows: torch.Tensor) -> list[float]:
         else:
             out.append(entropies_nats(row[None])[0])
     return out
-
-
-def sampling_spec(req) -> SamplingSpec:
-    """The request's sampling as ``glance_sgl.verify`` reads it (greedy when SGLang treats it as greedy)."""
-    sp = req.sampling_params
-    temperature = float(getattr(sp, "temperature", 0.0) or 0.0)
-    if temperature < 1e-5 or getattr(sp, "top_k", -1) == 1:
-        return SamplingSpec(0.0, 1.0, 0)
-    seed = getattr(sp, "sampling_seed", None)
-    if seed is None:
-        seed = zlib.crc32(str(req.rid).encode())
-    return SamplingSpec(temperature, float(getattr(sp, "top_p", 1.0) or 1.0), int(seed))
-
-
-def request_end(req) -> tuple[frozenset[int], int, int | None]:
-    """What ends ``req`` as SGLang checks it (``Req._check_token_based_finish``, ``max_new_tokens``): the token ids
-    that stop it (its stop token ids, the model's and the tokenizer's EOS ids and extra stop ids; none with
-    ``ignore_eos``), the output length before which they do not (``min_new_tokens``) and its token limit (None:
-    none)."""
-    sp = req.sampling_params
-    ids: set[int] = set()
-    if not getattr(sp, "ignore_eos", False):
-        ids.update(getattr(sp, "stop_token_ids", None) or ())
-        ids.update(getattr(req, "eos_token_ids", None) or ())
-        tok = getattr(req, "tokenizer", None)
-        if tok is not None:
-            if isinstance(getattr(tok, "eos_token_id", None), int):
-                ids.add(tok.eos_token_id)
-            ids.update(getattr(tok, "additional_stop_token_ids", None) or ())
-    limit = getattr(sp, "max_new_tokens", None)
-    return frozenset(int(t) for t in ids), int(getattr(sp, "min_new_tokens", 0) or 0), \
-        None if limit is None else int(limit)
 
 
 class StepStats:
@@ -268,7 +236,10 @@ class GlanceWorker(BaseSpecWorker):
         self._pending: tuple[RoundResult, float | None, float, set] | None = None
         self._finishing: set = set()
         # rid -> (its Req, its sampling, what ends it): ``_sampling_and_ends``
-        self._sampling: dict[str, tuple[object, SamplingSpec, tuple[frozenset[int], int, int | None]]] = {}
+        # per request: (the request object, its sampling, request_end, its stop ids on the device where it has a
+        # min_new_tokens)
+        self._sampling: dict[str, tuple[object, SamplingSpec, tuple[frozenset[int], int, int | None],
+                                        torch.Tensor | None]] = {}
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
                     "(cost model %s)", cfg.block_size, self.budget, self.branch_k, self.max_depth, taps,
                     self.planner_mode, "cached" if cached is not None else "calibrated on the first batches")
@@ -359,25 +330,33 @@ class GlanceWorker(BaseSpecWorker):
             self._forget(rid)
         self._finishing.clear()
 
-    def _sampling_and_ends(self, reqs) -> tuple[list[SamplingSpec], list[frozenset[int]], list[int]]:
-        """Each request's sampling (:func:`sampling_spec`), the token ids that end it now and the tokens it may
-        still commit (``RoundBatch.stops`` / ``room``; :func:`request_end`), read once per request object: its
-        sampling parameters do not change while it runs (a new request under a reused id is another object, read
-        again). Its output length comes from ``req.output_ids``, which lags a step behind under overlap
-        scheduling: the room read is then a step too large, and a stop token held back a step longer near
-        ``min_new_tokens``, which only drops fewer rows."""
-        specs, stops, room = [], [], []
+    def _sampling_and_ends(self, batch: ScheduleBatch
+                           ) -> tuple[list[SamplingSpec], list[frozenset[int]], list[int], LogitRules]:
+        """Each request's sampling (:func:`sampling.sampling_spec`), the token ids that end it now and the tokens it
+        may still commit (``RoundBatch.stops`` / ``room``; :func:`sampling.request_end`), and the batch's logit
+        rules (:func:`sampling.logit_rules`: logit bias, the stop tokens masked before ``min_new_tokens``), read
+        once per request object: its sampling parameters do not change while it runs (a new request under a
+        reused id is another object, read again). Its output length comes from ``req.output_ids``, which lags a
+        step behind under overlap scheduling: the room read is then a step too large, and a stop token held back a
+        step longer near ``min_new_tokens``, which only drops fewer rows (the mask itself counts from the exact
+        sampling counters, ``next_index``)."""
+        specs, stops, room, min_new, masked, produced = [], [], [], [], [], []
         none: frozenset[int] = frozenset()
-        for req in reqs:
+        for req in batch.reqs:
             known = self._sampling.get(req.rid)
             if known is None or known[0] is not req:
-                known = self._sampling[req.rid] = (req, sampling_spec(req), request_end(req))
-            ids, min_new, limit = known[2]
+                end = request_end(req)
+                ids = torch.tensor(sorted(stop_ids(req)), dtype=torch.long, device=self.device) if end[1] else None
+                known = self._sampling[req.rid] = (req, sampling_spec(req), end, ids)
+            ids, minimum, limit = known[2]
             out = len(req.output_ids)
             specs.append(known[1])
-            stops.append(ids if out >= min_new else none)
+            stops.append(ids if out >= minimum else none)
             room.append(limit - out if limit is not None else 1 << 30)
-        return specs, stops, room
+            min_new.append(minimum)
+            masked.append(known[3])
+            produced.append(out)
+        return specs, stops, room, logit_rules(batch, min_new, masked, produced)
 
     def _forget(self, rid: str) -> None:
         self._sampling.pop(rid, None)
@@ -475,7 +454,7 @@ class GlanceWorker(BaseSpecWorker):
             row = rows[b]
             if float(row.min()) >= 0.0 and abs(float(row.sum()) - 1.0) < 1e-3:
                 # SGLang's sampler leaves softmax(logits / T) in place: its log is the tempered distribution.
-                row, spec = row.clamp_min(1e-30).log(), SamplingSpec(1.0, spec.top_p, spec.seed)
+                row, spec = row.clamp_min(1e-30).log(), unit_temperature(spec)
             choice = target_choices(row[None, None], torch.zeros(1, 1, dtype=torch.long),
                                     torch.tensor([len(req.output_ids)]), [spec])
             out[b] = int(choice[0, 0])
@@ -703,9 +682,9 @@ class GlanceWorker(BaseSpecWorker):
         if self.ngram is not None:  # the n-gram source's host corpus
             roots_host, committed = self._host_roots(batch, committed, roots, next_index)
             tokens = _RequestTokens(batch.reqs, self._vocab, roots_host, committed)
-        specs, stops, room = self._sampling_and_ends(batch.reqs)
+        specs, stops, room, rules = self._sampling_and_ends(batch)
         rounds = RoundBatch(rids, roots, next_index, specs, tokens, roots_host, stops=stops, room=room)
-        target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors)
+        target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors, rules if rules else None, next_index)
         source = PoolDrafter(self, batch, seq_lens_cpu)
         sources = [source] if "drafter" in self._sources else []
         if self.ngram is not None:
@@ -935,14 +914,16 @@ class SGLangRows:
     """The worker's target pass for ``glance_sgl.round`` (``TargetRows``), bound to one decode batch: SGLang's
     verify or AR forward (:meth:`GlanceWorker._pass`), the grammar mask, and the keep (``accept_window``)."""
 
-    def __init__(self, worker: GlanceWorker, batch: ScheduleBatch, seq_lens_cpu: list[int], pp_proxy_tensors) -> None:
+    def __init__(self, worker: GlanceWorker, batch: ScheduleBatch, seq_lens_cpu: list[int], pp_proxy_tensors,
+                 rules: LogitRules | None = None, next_index: torch.Tensor | None = None) -> None:
         self.worker, self.batch, self.seq_lens_cpu, self.pp_proxy_tensors = worker, batch, seq_lens_cpu, pp_proxy_tensors
+        self.rules, self.next_index = rules, next_index  # the batch's logit rules (None: none) and sampling counters
 
     def forward(self, tree: DraftTree, taps: bool = True, rows: list[int] | None = None) -> PassOutput:
-        """The pass over ``tree`` [bs, R]: logits [bs, R, V] where SGLang left them (masked by each constrained
-        request's grammar along every row's path), taps [bs, R, L*H] (None where not captured: ``taps`` False, or
-        no drafter among the sources), SGLang's result as the handle. ``rows``: a ragged pass (each request's
-        first ``rows[b]`` rows; ``GlanceWorker.ragged``)."""
+        """The pass over ``tree`` [bs, R]: logits [bs, R, V] where SGLang left them, with the batch's logit rules
+        applied (``sampling.LogitRules``) and masked by each constrained request's grammar along every row's path;
+        taps [bs, R, L*H] (None where not captured: ``taps`` False, or no drafter among the sources); SGLang's result
+        as the handle. ``rows``: a ragged pass (each request's first ``rows[b]`` rows; ``GlanceWorker.ragged``)."""
         w = self.worker
         timer = _PassEvents(w.device) if w.device_is_cuda else None
         # SGLang's forward (attention backend, sampler bookkeeping) is not this step's to bound
@@ -950,6 +931,8 @@ class SGLangRows:
             result, logits, taps = w._pass(self.batch, tree, self.seq_lens_cpu, self.pp_proxy_tensors, taps, rows)
         if timer is not None:
             timer.stop()
+        if self.rules is not None:  # logit bias, stop tokens before min_new_tokens: as a plain step applies them
+            self.rules.apply(logits, tree.depths, self.next_index)
         if self.batch.has_grammar:  # constrained requests: each row's logits masked by the grammar along its path
             w._mask_grammar(self.batch, tree, logits)
         return PassOutput(logits, taps, result, device_ms=None if timer is None else timer.ms)

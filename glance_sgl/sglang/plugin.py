@@ -286,6 +286,7 @@ def register_all() -> None:
     from . import cpu
     from .draft_pool import install_memory_accounting
     from .graphs import register_graph_hooks
+    from .sampling import register_sampling_hook
     from .settings import WorkerSettings
     from .step_timing import register_step_timing
     from .targets import register_target_hooks
@@ -304,4 +305,5 @@ def register_all() -> None:
         register_target_hooks()
         register_state_hook()
         register_headroom_hook()
+        register_sampling_hook()
         register_model()

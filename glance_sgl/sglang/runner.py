@@ -168,10 +168,16 @@ def _serve(engine_kwargs: dict[str, Any]) -> None:
     llm.shutdown()
 
 
+# SGLang sampling parameters a runner request may carry as they are
+SAMPLING_KEYS = ("top_p", "top_k", "min_p", "min_new_tokens", "logit_bias", "ignore_eos", "stop_token_ids",
+                 "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
 def _params(r: dict[str, Any]) -> dict[str, Any]:
     p = {"max_new_tokens": r.get("max_tokens", 32), "temperature": r.get("temperature", 0.0)}
     if r.get("seed") is not None:
         p["sampling_seed"] = r["seed"]
+    p.update((k, r[k]) for k in SAMPLING_KEYS if r.get(k) is not None)
     return p
 
 

@@ -41,6 +41,16 @@ MAX_TOKENS = 24
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 PAGED = 16  # the random planner's engine: a paged KV cache, whose accepted rows' K/V move (glance_kernels.compact_kv)
 CONTEXT = 1024  # cpu_engine_kwargs' context length
+TOP_K, MIN_P = 20, 0.05  # the seeded requests' filters (the tempered distribution's top 20, at least 5 % of its best)
+EOS = 2  # the demo target's end token; ".": 21
+
+
+def _with_logit_rules(requests: list[dict]) -> list[dict]:
+    """Greedy requests whose plain SGLang answers change with the rules SGLang applies to every step's logits:
+    ``min_new_tokens`` (the stop tokens masked until then) and ``logit_bias``."""
+    return [{**requests[0], "min_new_tokens": MAX_TOKENS - 2}, {**requests[1], "min_new_tokens": 12},
+            {**requests[2], "logit_bias": {str(EOS): -100.0, "21": -100.0}},
+            {**requests[3], "logit_bias": {"21": 4.0}, "min_new_tokens": 6}]
 
 
 def _to_the_context_end(target) -> list[dict]:
@@ -102,7 +112,8 @@ def run(checkpoints, tmp_path_factory):
             gl = engine.generate(m, params, mode="glance", **fixed)
             rounds += gl.metrics.rounds
             committed += sum(gl.metrics.committed_per_round)
-        sampled = engine.generate(messages[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1234),
+        sampled = engine.generate(messages[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1234,
+                                                              top_k=TOP_K, min_p=MIN_P),
                                   mode="glance").token_ids
         t_embedded = time.perf_counter() - t0
         glance.wait_ready()
@@ -113,16 +124,27 @@ def run(checkpoints, tmp_path_factory):
         edge = _to_the_context_end(target)
         edge_glance = glance.generate(edge, concurrent=True)["results"]
         edge_plain = plain.generate(edge, concurrent=True)["results"]
+        ruled = _with_logit_rules(requests)
+        ruled_glance = glance.generate(ruled, concurrent=True)["results"]
+        ruled_plain = plain.generate(ruled, concurrent=True)["results"]
+        refused = {}
+        for name, value in (("repetition_penalty", 1.2), ("frequency_penalty", 0.5), ("presence_penalty", 0.5)):
+            try:
+                glance.generate([{**requests[0], name: value}])
+            except RuntimeError as exc:
+                refused[name] = str(exc)
         plain_timing = step_parts(plain, STEP_TIMING_KEY)
         plain.close()
         concurrent = []
         for i in range(0, N_PROMPTS, 4):
             concurrent += glance.generate(requests[i:i + 4], concurrent=True)["results"]
-        seeded = [{**requests[i], "temperature": 0.8, "seed": 1234 + i} for i in range(4)]
+        seeded = [{**requests[i], "temperature": 0.8, "seed": 1234 + i, "top_k": TOP_K, "min_p": MIN_P}
+                  for i in range(4)]
         seeded_fixed = glance.generate(seeded, concurrent=True)["results"]
         rand.wait_ready()
         random_greedy = rand.generate(requests, concurrency=6)["results"]
         random_seeded = rand.generate(seeded, concurrency=3)["results"]
+        ruled_random = rand.generate(ruled, concurrency=3)["results"]
         rand.close()
         merged.wait_ready()
         merged_batch1 = merged.generate(requests)["results"]
@@ -152,7 +174,8 @@ def run(checkpoints, tmp_path_factory):
                "plain_timing": plain_timing, "ngram_timing": ngram_timing,
                "ngram_greedy": ngram_greedy, "ngram_seeded": ngram_seeded,
                "off_greedy": off_greedy, "off_seeded": off_seeded, "edge_glance": edge_glance,
-               "edge_plain": edge_plain}
+               "edge_plain": edge_plain, "ruled_glance": ruled_glance, "ruled_plain": ruled_plain,
+               "ruled_random": ruled_random, "refused": refused}
     finally:
         torch.set_num_threads(threads)
         glance.close()
@@ -228,6 +251,27 @@ def test_requests_decode_up_to_the_context_length(run):
         assert g["output_ids"] == p["output_ids"], f"request {i} to the context end: GLANCE vs plain SGLang"
         assert g["meta_info"]["finish_reason"]["type"] == "length"
         assert len(g["output_ids"]) > 8  # it did decode up to the end
+    assert run["glance"].alive()
+
+
+def test_logit_bias_and_min_new_tokens_apply_as_in_plain_decoding(run):
+    """``logit_bias`` and ``min_new_tokens`` change plain SGLang's greedy answers; GLANCE applies them to every
+    verified row at that row's output index (the fixed tree, and random trees with n-gram candidates on a paged
+    cache): the same tokens."""
+    changed = 0
+    for i, (g, r, p) in enumerate(zip(run["ruled_glance"], run["ruled_random"], run["ruled_plain"])):
+        assert g["output_ids"] == p["output_ids"], f"request {i} with logit rules: GLANCE vs plain SGLang"
+        assert r["output_ids"] == p["output_ids"], f"request {i} with logit rules: random planner vs plain SGLang"
+        changed += p["output_ids"] != run["plain"][i]["output_ids"]
+    assert changed >= 2  # the rules did change answers
+
+
+def test_penalties_are_refused_not_ignored(run):
+    """Repetition, frequency and presence penalties depend on each draft row's own path: GLANCE refuses them
+    when the request arrives (SGLang's ``SamplingParams.verify``: a 400 over HTTP) instead of decoding without."""
+    assert set(run["refused"]) == {"repetition_penalty", "frequency_penalty", "presence_penalty"}
+    for name, message in run["refused"].items():
+        assert name in message and "GLANCE" in message
     assert run["glance"].alive()
 
 
