@@ -684,10 +684,24 @@ async def native_request(body: Any, config: ServerConfig, processor) -> GenReque
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise bad_request("sampling_params must be an object", "invalid_value", "sampling_params")
+    for key, value in sp.items():  # SGLang's other sampling parameters: refused unless at their neutral value
+        if key not in NATIVE_SAMPLING and (key not in NATIVE_NEUTRAL or value not in (None, NATIVE_NEUTRAL[key])):
+            raise bad_request(f"sampling_params.{key} is not supported on this server", "unsupported_parameter",
+                              f"sampling_params.{key}")
     seed = sp.get("sampling_seed", sp.get("seed"))
-    for name, value in (("max_new_tokens", sp.get("max_new_tokens")), ("sampling_seed", seed)):
+    for name, value in (("max_new_tokens", sp.get("max_new_tokens")), ("sampling_seed", seed),
+                        ("top_k", sp.get("top_k"))):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise bad_request(f"sampling_params.{name} must be an integer", "invalid_value", f"sampling_params.{name}")
     params = sampling_params(config, sp.get("max_new_tokens", 128), sp.get("temperature", 1.0), sp.get("top_p"),
-                             sp.get("stop"), seed, "sampling_params.max_new_tokens", logprobs)
+                             sp.get("stop"), seed, "sampling_params.max_new_tokens", logprobs, sp.get("top_k"),
+                             sp.get("min_p"))
     return GenRequest(messages=messages, params=params, prompt=raw_prompt)
+
+
+# SGLang's native sampling parameters this endpoint honours, and the others it accepts at their neutral value only
+NATIVE_SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "sampling_seed",
+                             "seed"})
+NATIVE_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
+                  "n": 1, "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                  "no_stop_trim": False, "logit_bias": {}}

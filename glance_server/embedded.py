@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import dataclasses
 import logging
 import random
 import threading
@@ -281,8 +282,7 @@ class EmbeddedBackend(Backend):
         req = job.request
         params = req.params
         if req.measure_speedup and params.seed is None:  # both runs must draw the same samples
-            params = SamplingParams(params.max_tokens, params.temperature, params.top_p, list(params.stop),
-                                    random.getrandbits(62), params.logprobs)
+            params = dataclasses.replace(params, stop=list(params.stop), seed=random.getrandbits(62))
         deltas = 0
 
         def on_delta(delta) -> None:

@@ -97,6 +97,12 @@ class _GenerationBody(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+    # the sampling extras of vLLM's and SGLang's OpenAI servers: top_k / min_p filter as theirs do, the others are
+    # refused (never ignored)
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt | None = None
     glance: GlanceOptions | None = None
 
 
@@ -136,9 +142,11 @@ def check_model(model: str | None, config: ServerConfig) -> None:
 
 def sampling_params(config: ServerConfig, max_tokens: int | None, temperature: float | None, top_p: float | None,
                     stop: str | list[str] | None, seed: int | None, param: str = "max_tokens",
-                    logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None = None, top_k: int | None = None, min_p: float | None = None
+                    ) -> SamplingParams:
     """Validated sampling parameters (OpenAI ranges; the server's token limit). ``logprobs``: None or the
-    number of top alternatives (0..20) per token."""
+    number of top alternatives (0..20) per token; ``top_k`` (-1 or 0: no limit) and ``min_p`` as vLLM's and
+    SGLang's servers take them."""
     if max_tokens is None:
         max_tokens = config.default_max_tokens
     if max_tokens < 1:
@@ -157,8 +165,13 @@ def sampling_params(config: ServerConfig, max_tokens: int | None, temperature: f
         raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "invalid_value", "stop")
     for k, s in enumerate(stops):
         check_text(s, f"stop[{k}]")
+    if top_k is not None and top_k < -1:
+        raise bad_request(f"top_k must be -1 or 0 (no limit) or at least 1, got {top_k}", "invalid_value", "top_k")
+    min_p = 0.0 if min_p is None else float(min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise bad_request(f"min_p must be in [0, 1], got {min_p}", "invalid_value", "min_p")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
-                          logprobs=logprobs)
+                          logprobs=logprobs, top_k=max(top_k or 0, 0), min_p=min_p)
 
 
 def chat_logprobs(body: ChatRequest) -> int | None:
@@ -210,6 +223,10 @@ def reject_unsupported(body: ChatRequest | CompletionRequest) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise bad_request(f"{name} is not supported (only 0)", "unsupported_parameter", name)
+    if body.repetition_penalty is not None and body.repetition_penalty != 1.0:
+        raise bad_request("repetition_penalty is not supported (only 1)", "unsupported_parameter", "repetition_penalty")
+    if body.min_tokens:
+        raise bad_request("min_tokens is not supported (only 0)", "unsupported_parameter", "min_tokens")
 
 
 async def convert_messages(messages: list[ChatMessage], config: ServerConfig,
@@ -269,7 +286,8 @@ async def chat_request(body: ChatRequest, config: ServerConfig, client: httpx.As
     logprobs = chat_logprobs(body)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    params = sampling_params(config, limit, body.temperature, body.top_p, body.stop, body.seed, param, logprobs)
+    params = sampling_params(config, limit, body.temperature, body.top_p, body.stop, body.seed, param, logprobs,
+                             body.top_k, body.min_p)
     options = glance_options(body.glance, config)
     messages = await convert_messages(body.messages, config, client)
     return GenRequest(messages=messages, params=params, mode=options.mode, planner=options.planner,
@@ -312,7 +330,7 @@ def completion_request(body: CompletionRequest, config: ServerConfig) -> GenRequ
         raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.logprobs}",
                           "invalid_value", "logprobs")
     params = sampling_params(config, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed,
-                             logprobs=body.logprobs)
+                             logprobs=body.logprobs, top_k=body.top_k, min_p=body.min_p)
     options = glance_options(body.glance, config)
     return GenRequest(messages=[], prompt=prompt, params=params, mode=options.mode, planner=options.planner,
                       measure_speedup=options.measure_speedup, debug_fault=options.debug_fault,

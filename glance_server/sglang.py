@@ -308,7 +308,8 @@ class SGLangBackend(Backend):
 
     def payload(self, request: GenRequest, text: str, images: list[Any]) -> dict[str, Any]:
         p = request.params
-        sampling = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p}
+        sampling = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                    "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p}
         if p.stop:
             sampling["stop"] = list(p.stop)
         if p.seed is not None:

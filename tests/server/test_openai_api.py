@@ -65,6 +65,24 @@ def test_streaming_matches_non_streaming_and_carries_glance_last(gateway):
     assert all(ch.usage is None for ch in chunks)
 
 
+def test_top_k_and_min_p_are_honoured(gateway, engine):
+    """vLLM's and SGLang's sampling extras ``top_k`` and ``min_p`` filter the target's distribution (never ignored):
+    a seeded request through the gateway equals the engine's AR decoding under the same filters, GLANCE and AR
+    alike, and the filters change what a seed draws."""
+    c = client(gateway)
+    messages = [{"role": "user", "content": "tell me a story about a robot"}]
+    outs = {}
+    for mode in ("glance", "ar"):
+        for filters in ({"top_k": 2, "min_p": 0.2}, {}):
+            r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=1.5, seed=77,
+                                          extra_body={**filters, "glance": {"mode": mode}})
+            outs[mode, bool(filters)] = r.choices[0].message.content
+    ref = engine.generate(messages, SamplingParams(max_tokens=16, temperature=1.5, seed=77, top_k=2, min_p=0.2),
+                          mode="ar")
+    assert outs["glance", True] == outs["ar", True] == ref.text
+    assert outs["glance", False] == outs["ar", False] != outs["ar", True]
+
+
 def test_measure_speedup_is_lossless(gateway):
     resp = client(gateway).chat.completions.create(
         model=MODEL, messages=image_message("read the text", seed=8), max_tokens=16, temperature=0,

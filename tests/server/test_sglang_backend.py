@@ -44,6 +44,18 @@ def test_chat_through_sglang_backend_matches_embedded(gateway, sglang_gateway):
     assert chunks[-1].model_extra["glance"]["rounds"] == d["rounds"]
 
 
+def test_top_k_and_min_p_reach_the_upstream(gateway, sglang_gateway):
+    """The sampling filters travel to SGLang's ``/generate`` (``top_k``, ``min_p``): a seeded request through the
+    SGLang backend draws what the embedded backend draws under the same filters, and not what it draws without."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "tell me a story about a robot"}],
+                  max_tokens=12, temperature=1.5, seed=5)
+    direct = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0).chat.completions
+    proxied = openai.OpenAI(base_url=sglang_gateway.url + "/v1", api_key="unused", max_retries=0).chat.completions
+    filtered = proxied.create(**kwargs, extra_body={"top_k": 2, "min_p": 0.2}).choices[0].message.content
+    assert filtered == direct.create(**kwargs, extra_body={"top_k": 2, "min_p": 0.2}).choices[0].message.content
+    assert filtered != direct.create(**kwargs).choices[0].message.content
+
+
 def test_native_generate_format(gateway, engine, auth):
     messages = [{"role": "user", "content": [{"type": "image", "image": None}, {"type": "text", "text": "hi"}]}]
     from PIL import Image
