@@ -693,15 +693,21 @@ async def native_request(body: Any, config: ServerConfig, processor) -> GenReque
                         ("top_k", sp.get("top_k"))):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise bad_request(f"sampling_params.{name} must be an integer", "invalid_value", f"sampling_params.{name}")
+    if sp.get("min_new_tokens") is not None and (not isinstance(sp["min_new_tokens"], int)
+                                                 or isinstance(sp["min_new_tokens"], bool)):
+        raise bad_request("sampling_params.min_new_tokens must be an integer", "invalid_value",
+                          "sampling_params.min_new_tokens")
+    if sp.get("logit_bias") is not None and not isinstance(sp["logit_bias"], dict):
+        raise bad_request("sampling_params.logit_bias must be an object", "invalid_value", "sampling_params.logit_bias")
     params = sampling_params(config, sp.get("max_new_tokens", 128), sp.get("temperature", 1.0), sp.get("top_p"),
                              sp.get("stop"), seed, "sampling_params.max_new_tokens", logprobs, sp.get("top_k"),
-                             sp.get("min_p"))
+                             sp.get("min_p"), sp.get("logit_bias"), sp.get("min_new_tokens"))
     return GenRequest(messages=messages, params=params, prompt=raw_prompt)
 
 
 # SGLang's native sampling parameters this endpoint honours, and the others it accepts at their neutral value only
 NATIVE_SAMPLING = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "sampling_seed",
-                             "seed"})
-NATIVE_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
-                  "n": 1, "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-                  "no_stop_trim": False, "logit_bias": {}}
+                             "seed", "logit_bias", "min_new_tokens"})
+NATIVE_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
+                  "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                  "no_stop_trim": False}

@@ -97,8 +97,8 @@ class _GenerationBody(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
-    # the sampling extras of vLLM's and SGLang's OpenAI servers: top_k / min_p filter as theirs do, the others are
-    # refused (never ignored)
+    # the sampling extras of vLLM's and SGLang's OpenAI servers: top_k / min_p / min_tokens act as theirs do,
+    # repetition_penalty is refused (never ignored)
     top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -142,11 +142,11 @@ def check_model(model: str | None, config: ServerConfig) -> None:
 
 def sampling_params(config: ServerConfig, max_tokens: int | None, temperature: float | None, top_p: float | None,
                     stop: str | list[str] | None, seed: int | None, param: str = "max_tokens",
-                    logprobs: int | None = None, top_k: int | None = None, min_p: float | None = None
-                    ) -> SamplingParams:
+                    logprobs: int | None = None, top_k: int | None = None, min_p: float | None = None,
+                    logit_bias: dict[str, Any] | None = None, min_tokens: int | None = None) -> SamplingParams:
     """Validated sampling parameters (OpenAI ranges; the server's token limit). ``logprobs``: None or the
-    number of top alternatives (0..20) per token; ``top_k`` (-1 or 0: no limit) and ``min_p`` as vLLM's and
-    SGLang's servers take them."""
+    number of top alternatives (0..20) per token; ``logit_bias``: OpenAI's (token id strings -> -100..100);
+    ``top_k`` (-1 or 0: no limit), ``min_p`` and ``min_tokens`` as vLLM's and SGLang's servers take them."""
     if max_tokens is None:
         max_tokens = config.default_max_tokens
     if max_tokens < 1:
@@ -170,8 +170,27 @@ def sampling_params(config: ServerConfig, max_tokens: int | None, temperature: f
     min_p = 0.0 if min_p is None else float(min_p)
     if not 0.0 <= min_p <= 1.0:
         raise bad_request(f"min_p must be in [0, 1], got {min_p}", "invalid_value", "min_p")
+    if min_tokens is not None and not 0 <= min_tokens <= max_tokens:
+        raise bad_request(f"min_tokens must be in [0, {param}], got {min_tokens}", "invalid_value", "min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed,
-                          logprobs=logprobs, top_k=max(top_k or 0, 0), min_p=min_p)
+                          logprobs=logprobs, top_k=max(top_k or 0, 0), min_p=min_p,
+                          logit_bias=parse_logit_bias(logit_bias), min_tokens=min_tokens or 0)
+
+
+def parse_logit_bias(raw: dict[str, Any] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token id strings -> numbers in [-100, 100]) as token ids -> floats; 400 where a key
+    is not a token id or a value is out of range (a key beyond the vocabulary: the engine's 400)."""
+    if not raw:
+        return None
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "invalid_value", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= float(value) <= 100.0:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}",
+                              "invalid_value", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def chat_logprobs(body: ChatRequest) -> int | None:
@@ -218,15 +237,11 @@ def reject_unsupported(body: ChatRequest | CompletionRequest) -> None:
         raise bad_request(f"n must be 1 on this server (got {body.n})", "unsupported_parameter", "n")
     if getattr(body, "tools", None):
         raise bad_request("tools are not supported", "unsupported_parameter", "tools")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "unsupported_parameter", "logit_bias")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise bad_request(f"{name} is not supported (only 0)", "unsupported_parameter", name)
     if body.repetition_penalty is not None and body.repetition_penalty != 1.0:
         raise bad_request("repetition_penalty is not supported (only 1)", "unsupported_parameter", "repetition_penalty")
-    if body.min_tokens:
-        raise bad_request("min_tokens is not supported (only 0)", "unsupported_parameter", "min_tokens")
 
 
 async def convert_messages(messages: list[ChatMessage], config: ServerConfig,
@@ -287,7 +302,7 @@ async def chat_request(body: ChatRequest, config: ServerConfig, client: httpx.As
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = sampling_params(config, limit, body.temperature, body.top_p, body.stop, body.seed, param, logprobs,
-                             body.top_k, body.min_p)
+                             body.top_k, body.min_p, body.logit_bias, body.min_tokens)
     options = glance_options(body.glance, config)
     messages = await convert_messages(body.messages, config, client)
     return GenRequest(messages=messages, params=params, mode=options.mode, planner=options.planner,
@@ -330,7 +345,8 @@ def completion_request(body: CompletionRequest, config: ServerConfig) -> GenRequ
         raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.logprobs}",
                           "invalid_value", "logprobs")
     params = sampling_params(config, body.max_tokens, body.temperature, body.top_p, body.stop, body.seed,
-                             logprobs=body.logprobs, top_k=body.top_k, min_p=body.min_p)
+                             logprobs=body.logprobs, top_k=body.top_k, min_p=body.min_p, logit_bias=body.logit_bias,
+                             min_tokens=body.min_tokens)
     options = glance_options(body.glance, config)
     return GenRequest(messages=[], prompt=prompt, params=params, mode=options.mode, planner=options.planner,
                       measure_speedup=options.measure_speedup, debug_fault=options.debug_fault,

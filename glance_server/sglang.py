@@ -314,6 +314,10 @@ class SGLangBackend(Backend):
             sampling["stop"] = list(p.stop)
         if p.seed is not None:
             sampling["sampling_seed"] = p.seed
+        if p.logit_bias:
+            sampling["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
+        if p.min_tokens:
+            sampling["min_new_tokens"] = p.min_tokens
         if request.json_schema is not None:
             sampling["json_schema"] = request.json_schema
         body: dict[str, Any] = {"text": text, "sampling_params": sampling, "stream": True, "rid": request.request_id}

@@ -33,7 +33,7 @@ from .planner import PLANNER_MODES, AlwaysDraft, Planner, PlannerMode
 from .round import DRAFT_SOURCES, RoundBatch, calibrate_round, check_draft_sources, speculative_round
 from .target import CachePass, PreparedPrompt, RowsOutput, TargetAdapter, TargetError, TargetState
 from .tree import max_tree_size
-from .verify import SamplingSpec, target_choices
+from .verify import LogitRules, SamplingSpec, target_choices
 
 Mode = Literal["glance", "chain", "ar"]
 MAX_STOP_STRINGS = 8
@@ -64,6 +64,8 @@ class SamplingParams:
     logprobs: int | None = None
     top_k: int = 0
     min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit at every step (OpenAI's)
+    min_tokens: int = 0  # no EOS before this many tokens (its logit masked, as vLLM's and SGLang's min tokens)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -77,6 +79,15 @@ class SamplingParams:
                                param="top_k")
         if not 0.0 <= float(self.min_p) <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}",
+                               param="min_tokens")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+            if not -100.0 <= float(bias) <= 100.0:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {bias!r}", param="logit_bias")
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
@@ -428,6 +439,11 @@ class GlanceEngine:
         if mode not in ("glance", "chain", "ar"):
             raise RequestError(f"unknown decoding mode {mode!r}")
         sources = self.check_sources(draft_sources, mode)
+        vocab = self.target.vocab_size
+        for token in params.logit_bias or {}:
+            if token >= vocab:
+                raise RequestError(f"logit_bias key {token} is not a token id of this model (vocabulary {vocab})",
+                                   param="logit_bias")
         if planner is not None and mode != "glance":
             raise RequestError(f"a planner applies to mode 'glance' only, not {mode!r}", param="planner")
         return params, mode, sources
@@ -534,6 +550,7 @@ class GlanceEngine:
         metrics.planner = planner.mode if planner is not None else None
         metrics.draft_sources = tuple(sources) if mode != "ar" else ()
         out = _Output(self.target.tokenizer, self.eos_ids, params)
+        rules = self._logit_rules(params)
 
         t0 = time.perf_counter()
         metrics.prompt_tokens = prompt.num_tokens
@@ -557,14 +574,14 @@ class GlanceEngine:
             if policy is not None:
                 policy.forget(rid)
             raise
-        first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec)[0])
+        first = int(self._choices(rows.logits[-1:], torch.zeros(1, dtype=torch.long), 0, spec, rules)[0])
         request = None
         if policy is not None:
             weight = self.drafter.fc.weight
             context = rows.taps if keeps else weight.new_zeros(0, weight.shape[1])
             request = SpeculativeRequest(rid, policy,
                                          CachedDrafter.start(self.drafter, context, self.branch_k, mode == "chain"),
-                                         CachePass(self.target, state, self._taps(mode)))
+                                         CachePass(self.target, state, self._taps(mode), rules))
             policy.begin(request.rid, entropy_nats(rows.logits[-1]))
             if ngram:
                 self.ngram.acceptance = policy.acceptance  # the planner learns per source and depth
@@ -582,7 +599,7 @@ class GlanceEngine:
                     out.finish_reason = "cancelled"
                     break
                 if request is None:
-                    token, ar_rows = self._ar_pass(state, out.token_ids, spec)
+                    token, ar_rows = self._ar_pass(state, out.token_ids, spec, rules)
                     new_tokens = [token]
                     kept = out.add(new_tokens, token_logprobs(ar_rows.logits, new_tokens, k) if k is not None
                                    else None)
@@ -613,9 +630,24 @@ class GlanceEngine:
     def _taps(self, mode: Mode) -> list[int] | None:
         return self.drafter.config.tap_layers if mode != "ar" and self.drafter is not None else None
 
-    def _choices(self, logits: torch.Tensor, depths: torch.Tensor, next_index: int, spec: SamplingSpec) -> torch.Tensor:
-        """Target choices for rows ``logits`` [R, V] at ``depths`` [R]; output index of depth 0 is next_index."""
+    def _choices(self, logits: torch.Tensor, depths: torch.Tensor, next_index: int, spec: SamplingSpec,
+                 rules: LogitRules | None = None) -> torch.Tensor:
+        """Target choices for rows ``logits`` [R, V] at ``depths`` [R]; output index of depth 0 is next_index. The
+        request's ``rules`` are applied to ``logits`` first, in place."""
+        if rules:
+            rules.apply(logits[None], depths[None], torch.tensor([next_index]))
         return target_choices(logits[None], depths[None], torch.tensor([next_index]), [spec])[0]
+
+    def _logit_rules(self, params: SamplingParams) -> LogitRules | None:
+        """``params``' logit bias and minimum length as the rules of a batch of one (None: neither)."""
+        bias = None
+        if params.logit_bias:
+            bias = torch.zeros(1, self.target.vocab_size)
+            for token, value in params.logit_bias.items():
+                bias[0, token] = float(value)
+        early = {0: (params.min_tokens, torch.tensor(sorted(self.eos_ids), dtype=torch.long))} \
+            if params.min_tokens > 0 and self.eos_ids else {}
+        return LogitRules(bias, early) if bias is not None or early else None
 
     def speculative_round(self, request: SpeculativeRequest, committed: list[int], spec: SamplingSpec,
                           logprobs: bool = False, room: int | None = None) -> tuple[list[int], RoundRecord]:
@@ -625,7 +657,9 @@ class GlanceEngine:
         pass). ``room``: the tokens the request may still commit (None: no limit); no candidate goes past it or
         past an EOS token. Returns (tokens to commit, what the round did; its ``choice_logits`` only with
         ``logprobs``)."""
-        batch = RoundBatch([request.rid], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [spec],
+        next_index = torch.tensor([len(committed)])
+        request.target.next_index = next_index  # where the request's logit rules count from
+        batch = RoundBatch([request.rid], torch.tensor([committed[-1]]), next_index, [spec],
                            None if request.history is None else [request.history],
                            stops=[self._stops], room=None if room is None else [room])
         r = speculative_round(batch, request.policy, request.sources or [request.drafter], request.target,
@@ -642,12 +676,15 @@ class GlanceEngine:
                              sources=source_counts(r.tree, r.walk)[0], parts=r.phases)
         return r.walk.committed()[0], record
 
-    def _ar_pass(self, state: TargetState, committed: list[int], spec: SamplingSpec) -> tuple[int, RowsOutput]:
-        """The last committed token through the target: the next token and the row (the AR baseline)."""
+    def _ar_pass(self, state: TargetState, committed: list[int], spec: SamplingSpec,
+                 rules: LogitRules | None = None) -> tuple[int, RowsOutput]:
+        """The last committed token through the target: the next token and the row (the AR baseline; the
+        request's ``rules`` applied to the row's logits)."""
         zero = torch.zeros(1, dtype=torch.long)
         rows = self.target.forward_rows(state, torch.tensor([committed[-1]]), zero,
                                         torch.ones(1, 1, dtype=torch.bool))
-        return int(self._choices(rows.logits.cpu(), zero, len(committed), spec)[0]), rows
+        rows.logits = rows.logits.cpu()  # the rules apply in place: the row's logprobs read what was chosen from
+        return int(self._choices(rows.logits, zero, len(committed), spec, rules)[0]), rows
 
 
 def default_max_nodes(budget: int, block_size: int, branch_k: int) -> int:

@@ -64,9 +64,11 @@ def ms_per_step(sums: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, 
 
 
 def entropy_tensor(logits: torch.Tensor) -> torch.Tensor:
-    """[N] fp32 on ``logits``' device: the entropy (nats) of softmax of each row of ``logits`` [N, V]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    """[N] fp32 on ``logits``' device: the entropy (nats) of softmax of each row of ``logits`` [N, V]; a masked
+    token (-inf: a grammar, a stop token before the minimum length) adds nothing (``xlogy(0, 0) = 0``, where
+    ``p * log p`` would be NaN)."""
+    p = torch.softmax(logits.float(), dim=-1)
+    return -torch.xlogy(p, p).sum(-1)
 
 
 def entropies_nats(logits: torch.Tensor) -> list[float]:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .round import PassOutput
+from .verify import LogitRules
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
@@ -166,6 +167,11 @@ class TargetAdapter:
         return ids
 
     @property
+    def vocab_size(self) -> int:
+        """Logits per row (the LM head's outputs)."""
+        return int(self.lm_head().weight.shape[0])
+
+    @property
     def context_length(self) -> int:
         return int(getattr(self.text_config, "max_position_embeddings", 4096))
 
@@ -269,8 +275,12 @@ class CachePass:
     Hugging Face cache, capturing ``taps``, and the KV keep. Logits come back on the host ([1, R, V]), where the
     walk runs."""
 
-    def __init__(self, target: TargetAdapter, state: TargetState, taps: list[int] | None) -> None:
+    def __init__(self, target: TargetAdapter, state: TargetState, taps: list[int] | None,
+                 rules: LogitRules | None = None) -> None:
         self.target, self.state, self.taps = target, state, taps
+        # the request's logit rules (None: none), applied to every row at its output index: ``next_index`` is the
+        # output index of the token after the root, set by the engine before each round
+        self.rules, self.next_index = rules, torch.zeros(1, dtype=torch.long)
 
     def forward(self, tree, taps: bool = True) -> PassOutput:
         """``tree``: a ``DraftTree`` [1, R]. Returns (logits [1, R, V] on the host, taps [1, R, L*H]; None where
@@ -282,7 +292,10 @@ class CachePass:
             ancestors = glance_kernels.tree_meta(tree.parents, pointers=False).tree_mask[0]
         rows = self.target.forward_rows(self.state, tree.tokens[0], tree.depths[0], ancestors,
                                         taps=self.taps if taps else None)
-        return PassOutput(rows.logits[None].cpu(), None if rows.taps is None else rows.taps[None])
+        logits = rows.logits[None].cpu()
+        if self.rules:
+            self.rules.apply(logits, tree.depths, self.next_index)
+        return PassOutput(logits, None if rows.taps is None else rows.taps[None])
 
     def keep(self, tree, walk) -> None:
         """Keep the root's and the accepted rows' K/V (``walk.accepted_rows``), unless every row was accepted."""

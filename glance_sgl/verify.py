@@ -152,6 +152,32 @@ def _on(value: float | int | torch.Tensor, active) -> bool:
 
 
 @dataclass
+class LogitRules:
+    """What a plain decoding step adds to a request's logits before it picks, for a batch: ``bias`` [B, V'] (a
+    logit bias per request, zero where a request has none; None: no request has one) and, per request still short
+    of its minimum output length (batch index -> (that minimum, its stop token ids as a long tensor on the logits'
+    device)), its stop tokens masked. :meth:`apply` does it to every row of a tree pass at the row's own output
+    index, so that every choice is the one a plain step would make there."""
+
+    bias: torch.Tensor | None = None
+    early: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.bias is not None or bool(self.early)
+
+    def apply(self, logits: torch.Tensor, depths: torch.Tensor, next_index: torch.Tensor) -> None:
+        """In place on ``logits`` [bs, R, V] of a pass over trees of ``depths`` [bs, R]; ``next_index`` [bs]: each
+        request's output index of the token after its root. Device ops only (no read back)."""
+        if self.bias is not None:
+            width = min(logits.shape[-1], self.bias.shape[-1])
+            logits[..., :width] += self.bias[:, None, :width].to(logits.device, logits.dtype)
+        for b, (minimum, ids) in self.early.items():
+            before = (next_index[b].to(depths.device) + depths[b]) < minimum  # [R]: rows that pick a token too early
+            row = logits[b]
+            row[:, ids] = row[:, ids].masked_fill(before.to(row.device)[:, None], float("-inf"))
+
+
+@dataclass
 class SamplingSpec:
     """How a request picks tokens. ``temperature == 0`` is greedy (seed and the filters unused); at T > 0 the
     target's tempered distribution, filtered by ``top_k`` (0: off), ``top_p`` and ``min_p`` (0: off) as

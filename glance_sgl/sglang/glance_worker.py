@@ -54,7 +54,7 @@ from glance_sgl.costs import cost_key, default_row_grid, save_costs
 from glance_sgl.round import (PHASES, PassOutput, RoundBatch, RoundResult, calibrate_round,
                               speculative_round)
 from glance_sgl.tree import SOURCE_DRAFTER, DraftTree, build_tree
-from glance_sgl.verify import SamplingSpec, WalkResult, target_choices
+from glance_sgl.verify import LogitRules, SamplingSpec, WalkResult, target_choices
 
 from .cpu import BACKEND_NAME as CPU_BACKEND
 from .draft_graph import DraftPassRunner, draft_pass
@@ -63,7 +63,7 @@ from .drafter_model import GlanceDrafterForSGLang
 from .glance_info import GlanceDraftInput, accept_window, build_verify_input
 from .graphs import VerifyGraphs, graph_widths
 from .planning import BatchCostModel, load_batch_costs, make_planner
-from .sampling import LogitRules, logit_rules, request_end, sampling_spec, stop_ids, unit_temperature
+from .sampling import logit_rules, request_end, sampling_spec, stop_ids, unit_temperature
 from .settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -921,7 +921,7 @@ class SGLangRows:
 
     def forward(self, tree: DraftTree, taps: bool = True, rows: list[int] | None = None) -> PassOutput:
         """The pass over ``tree`` [bs, R]: logits [bs, R, V] where SGLang left them, with the batch's logit rules
-        applied (``sampling.LogitRules``) and masked by each constrained request's grammar along every row's path;
+        applied (``glance_sgl.verify.LogitRules``) and masked by each constrained request's grammar along every row's path;
         taps [bs, R, L*H] (None where not captured: ``taps`` False, or no drafter among the sources); SGLang's result
         as the handle. ``rows``: a ragged pass (each request's first ``rows[b]`` rows; ``GlanceWorker.ragged``)."""
         w = self.worker

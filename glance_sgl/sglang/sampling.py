@@ -5,10 +5,11 @@ honours is either applied exactly the way plain decoding applies it, or refused 
   choice at every tree row is a draw from the same filtered distribution SGLang's sampler draws from);
 - :func:`request_end`: what ends a request (stop token ids, EOS, ``min_new_tokens``, ``max_new_tokens``), for the
   round's pruning of rows past a request's end;
-- :class:`LogitRules`: what SGLang adds to a row's logits before it picks, applied to every verified row as a plain
-  step would have applied it at that row's output index: ``logit_bias``, and ``min_new_tokens``'s mask of the stop
-  tokens (SGLang's ``BatchedMinNewTokensPenalizer``: -inf on them while fewer than ``min_new_tokens`` tokens came
-  out; row ``r`` of a request picks output index ``next_index + depth[r]``);
+- :func:`logit_rules`: what SGLang adds to a row's logits before it picks (``glance_sgl.verify.LogitRules``),
+  applied to every verified row as a plain step would have applied it at that row's output index:
+  ``logit_bias``, and ``min_new_tokens``'s mask of the stop tokens (SGLang's ``BatchedMinNewTokensPenalizer``:
+  -inf on them while fewer than ``min_new_tokens`` tokens came out; row ``r`` of a request picks output index
+  ``next_index + depth[r]``);
 - :func:`refuse_unsupported`: an AFTER hook of SGLang's ``SamplingParams.verify`` (run where a request arrives, a
   ``ValueError`` there is SGLang's 400) refusing what GLANCE cannot verify losslessly: repetition, frequency and
   presence penalties (their value at a tree row depends on the row's own path, which SGLang's penalizers do not
@@ -23,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from glance_sgl.verify import SamplingSpec
+from glance_sgl.verify import LogitRules, SamplingSpec
 
 from . import ALGORITHM
 
@@ -76,33 +77,9 @@ def request_end(req) -> tuple[frozenset[int], int, int | None]:
     return ids, int(getattr(sp, "min_new_tokens", 0) or 0), None if limit is None else int(limit)
 
 
-@dataclasses.dataclass
-class LogitRules:
-    """The logit rules of one decode batch: ``bias`` [bs, V'] (SGLang's ``sampling_info.logit_bias``, None where
-    no request has one) and, per request still short of its ``min_new_tokens`` (batch index -> (its minimum, its
-    stop ids as a long tensor on the logits' device)), the stop-token mask."""
-
-    bias: torch.Tensor | None = None
-    early: dict[int, tuple[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return self.bias is not None or bool(self.early)
-
-    def apply(self, logits: torch.Tensor, depths: torch.Tensor, next_index: torch.Tensor) -> None:
-        """In place on ``logits`` [bs, R, V] of a pass over trees of ``depths`` [bs, R]; ``next_index`` [bs]: each
-        request's output index of the token after its root. Device ops only (no read back)."""
-        if self.bias is not None:
-            width = min(logits.shape[-1], self.bias.shape[-1])
-            logits[..., :width] += self.bias[:, None, :width].to(logits.device, logits.dtype)
-        for b, (minimum, ids) in self.early.items():
-            before = (next_index[b].to(depths.device) + depths[b]) < minimum  # [R]: rows that pick a token too early
-            row = logits[b]
-            row[:, ids] = row[:, ids].masked_fill(before.to(row.device)[:, None], float("-inf"))
-
-
 def logit_rules(batch, min_new: Sequence[int], stops: Sequence[torch.Tensor | None], produced: Sequence[int]
                 ) -> LogitRules:
-    """The batch's :class:`LogitRules`: its sampling info's logit bias, and the stop-token mask of each request
+    """The batch's ``LogitRules``: its sampling info's logit bias, and the stop-token mask of each request
     whose output (``produced``, a lower bound where the host state lags) is shorter than its ``min_new`` (its
     ``stops`` tensor: :func:`stop_ids` on the device)."""
     info = getattr(batch, "sampling_info", None)
@@ -147,5 +124,5 @@ def register_sampling_hook() -> None:
     HookRegistry.apply_hooks()
 
 
-__all__ = ["sampling_spec", "unit_temperature", "stop_ids", "request_end", "LogitRules", "logit_rules",
+__all__ = ["sampling_spec", "unit_temperature", "stop_ids", "request_end", "logit_rules",
            "refuse_unsupported", "register_sampling_hook", "TOP_K_OFF"]

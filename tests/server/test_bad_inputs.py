@@ -109,12 +109,13 @@ BAD = [
     ("host not on the allowlist", with_url("http://images.example.com/a.png"), 400, "image_host_not_allowed"),
     ("empty messages", chat([]), 400, "invalid_value"),
     ("n=2", chat(n=2), 400, "unsupported_parameter"),
-    # penalties and the sampling extras the engines cannot honour are refused, never ignored (top_k, min_p are
-    # honoured: test_openai_api.py)
+    # penalties are refused, never ignored (top_k, min_p, min_tokens, logit_bias are honoured: test_openai_api.py)
     ("frequency_penalty", chat(frequency_penalty=0.5), 400, "unsupported_parameter"),
     ("repetition_penalty", chat(repetition_penalty=1.05), 400, "unsupported_parameter"),
-    ("min_tokens", chat(min_tokens=8), 400, "unsupported_parameter"),
-    ("logit_bias", chat(logit_bias={"21": -5}), 400, "unsupported_parameter"),
+    ("min_tokens over max_tokens", chat(max_tokens=4, min_tokens=8), 400, "invalid_value"),
+    ("logit_bias key not a token id", chat(logit_bias={"a": -5}), 400, "invalid_value"),
+    ("logit_bias value out of range", chat(logit_bias={"21": 200}), 400, "invalid_value"),
+    ("logit_bias beyond the vocabulary", chat(logit_bias={"99999999": 1}), 400, "invalid_request"),
     ("top_k below -1", chat(top_k=-2), 400, "invalid_value"),
     ("min_p above 1", chat(min_p=1.5), 400, "invalid_value"),
     ("string top_k", chat(top_k="5"), 400, "invalid_request"),
@@ -276,10 +277,11 @@ def test_native_generate_refuses_special_tokens_in_message_text(gateway, engine,
 
 
 @pytest.mark.parametrize("sampling,status", [
-    ({"repetition_penalty": 1.2}, 400), ({"min_new_tokens": 4}, 400), ({"json_schema": "{}"}, 400),
-    ({"logit_bias": {"21": 1.0}}, 400), ({"best_of": 2}, 400), ({"top_k": "5"}, 400),
+    ({"repetition_penalty": 1.2}, 400), ({"json_schema": "{}"}, 400), ({"best_of": 2}, 400),
+    ({"top_k": "5"}, 400), ({"min_new_tokens": "4"}, 400), ({"logit_bias": [1]}, 400),
     ({"frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "top_k": -1, "min_p": 0.0}, 200),
-    ({"top_k": 5, "min_p": 0.1, "temperature": 0.9, "sampling_seed": 3}, 200)])
+    ({"top_k": 5, "min_p": 0.1, "temperature": 0.9, "sampling_seed": 3, "min_new_tokens": 2,
+      "logit_bias": {"21": 1.0}}, 200)])
 def test_native_generate_honours_or_refuses_every_sampling_parameter(gateway, auth, sampling, status):
     """SGLang's native ``/generate``: the sampling parameters the engine applies are applied, any other one is
     refused unless at its neutral value (never silently ignored)."""

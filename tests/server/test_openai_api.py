@@ -83,6 +83,25 @@ def test_top_k_and_min_p_are_honoured(gateway, engine):
     assert outs["glance", False] == outs["ar", False] != outs["ar", True]
 
 
+def test_logit_bias_and_min_tokens_are_honoured(gateway, engine):
+    """OpenAI's ``logit_bias`` and vLLM's / SGLang's ``min_tokens`` change what the target picks at every step
+    (GLANCE applies them to every verified row at its output index): the answers equal the engine's AR decoding
+    under the same rules; a bias against the plain answer's first token changes it, and an EOS pushed up by a bias
+    comes only once ``min_tokens`` tokens are out."""
+    c = client(gateway)
+    messages = [{"role": "user", "content": "count the shapes"}]
+    plain = engine.generate(messages, SamplingParams(max_tokens=16, temperature=0), mode="ar").token_ids
+    eos = min(engine.eos_ids)
+    for rules in ({"logit_bias": {str(plain[0]): -100}}, {"logit_bias": {str(eos): 100}, "min_tokens": 5}):
+        r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, extra_body=rules)
+        params = SamplingParams(max_tokens=16, temperature=0, min_tokens=rules.get("min_tokens", 0),
+                                logit_bias={int(k): float(v) for k, v in rules["logit_bias"].items()})
+        ref = engine.generate(messages, params, mode="ar")
+        assert r.choices[0].message.content == ref.text and r.usage.completion_tokens == len(ref.token_ids), rules
+        assert ref.token_ids != plain
+    assert ref.finish_reason == "stop" and len(ref.token_ids) == 6 and ref.token_ids[-1] == eos  # 5, then EOS
+
+
 def test_measure_speedup_is_lossless(gateway):
     resp = client(gateway).chat.completions.create(
         model=MODEL, messages=image_message("read the text", seed=8), max_tokens=16, temperature=0,

@@ -44,9 +44,10 @@ def test_chat_through_sglang_backend_matches_embedded(gateway, sglang_gateway):
     assert chunks[-1].model_extra["glance"]["rounds"] == d["rounds"]
 
 
-def test_top_k_and_min_p_reach_the_upstream(gateway, sglang_gateway):
-    """The sampling filters travel to SGLang's ``/generate`` (``top_k``, ``min_p``): a seeded request through the
-    SGLang backend draws what the embedded backend draws under the same filters, and not what it draws without."""
+def test_sampling_filters_and_logit_rules_reach_the_upstream(gateway, sglang_gateway, engine):
+    """The sampling filters and logit rules travel to SGLang's ``/generate`` (``top_k``, ``min_p``,
+    ``min_new_tokens``, ``logit_bias``): a request through the SGLang backend decodes what the embedded backend
+    decodes under the same parameters, and not what it decodes without them."""
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "tell me a story about a robot"}],
                   max_tokens=12, temperature=1.5, seed=5)
     direct = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0).chat.completions
@@ -54,6 +55,13 @@ def test_top_k_and_min_p_reach_the_upstream(gateway, sglang_gateway):
     filtered = proxied.create(**kwargs, extra_body={"top_k": 2, "min_p": 0.2}).choices[0].message.content
     assert filtered == direct.create(**kwargs, extra_body={"top_k": 2, "min_p": 0.2}).choices[0].message.content
     assert filtered != direct.create(**kwargs).choices[0].message.content
+    rules = {"min_tokens": 5, "logit_bias": {str(min(engine.eos_ids)): 100}}  # SGLang's min_new_tokens, logit_bias
+    kwargs = dict(model=MODEL, messages=image_message("what colour is the square", seed=3), max_tokens=24,
+                  temperature=0)
+    ruled = proxied.create(**kwargs, extra_body=rules)
+    direct_ruled = direct.create(**kwargs, extra_body=rules)
+    assert ruled.choices[0].message.content == direct_ruled.choices[0].message.content
+    assert ruled.usage.completion_tokens == direct_ruled.usage.completion_tokens == 6  # 5 tokens, then the EOS
 
 
 def test_native_generate_format(gateway, engine, auth):
