@@ -564,8 +564,8 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
     @app.post("/v1/generate")
     async def generate_multipart(request: Request):
         """Multipart form: ``prompt`` + ``image`` file(s) (repeatable), optional ``max_tokens``,
-        ``temperature``, ``top_p``, ``seed``, ``stop`` (repeatable), ``mode``, ``planner``, ``draft_sources``
-        (comma-separated), ``measure_speedup``."""
+        ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``min_tokens``, ``seed``, ``stop`` (repeatable), ``mode``,
+        ``planner``, ``draft_sources`` (comma-separated), ``measure_speedup`` (any other field: 400)."""
         t0 = time.perf_counter()
         req = await multipart_request(request, config)
         out = await gw.collect(await gw.start(req, request), request, t0)
@@ -598,6 +598,11 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
 
 
 # ------------------------------------------------------------------------------------------------ parsers
+# the multipart route's fields
+FORM_FIELDS = frozenset({"prompt", "image", "images", "model", "mode", "planner", "max_tokens", "temperature", "top_p",
+                         "top_k", "min_p", "min_tokens", "stop", "seed", "measure_speedup", "draft_sources"})
+
+
 def form_number(form, name: str, kind, default=None):
     value = form.get(name)
     if value is None or value == "":
@@ -616,6 +621,10 @@ async def multipart_request(request: Request, config: ServerConfig) -> GenReques
                                   max_part_size=config.max_image_bytes)
     except Exception as exc:  # malformed multipart / over the part limits
         raise bad_request(f"could not read the form ({exc})", "invalid_request") from exc
+    unknown = sorted(set(form.keys()) - FORM_FIELDS)
+    if unknown:  # a field this route does not read is refused, never ignored
+        raise bad_request(f"form field {unknown[0]!r} is not supported (fields: {', '.join(sorted(FORM_FIELDS))})",
+                          "unsupported_parameter", unknown[0])
     prompt = form.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise bad_request("the form needs a non-empty 'prompt' field", "invalid_value", "prompt")
@@ -639,7 +648,8 @@ async def multipart_request(request: Request, config: ServerConfig) -> GenReques
         raise bad_request(f"planner must be auto or fixed, got {planner!r}", "invalid_value", "planner")
     params = sampling_params(config, form_number(form, "max_tokens", int), form_number(form, "temperature", float, 0.0),
                              form_number(form, "top_p", float), [s for s in form.getlist("stop") if s] or None,
-                             form_number(form, "seed", int))
+                             form_number(form, "seed", int), top_k=form_number(form, "top_k", int),
+                             min_p=form_number(form, "min_p", float), min_tokens=form_number(form, "min_tokens", int))
     content: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
     content.append({"type": "text", "text": prompt})
     measure = str(form.get("measure_speedup", "")).lower() in ("1", "true", "yes", "on")

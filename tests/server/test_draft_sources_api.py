@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from glance_sgl.engine import GlanceEngine
 from glance_sgl.ngram_source import ngram_corpus_class
 from glance_server.config import key_identity
-from tests.server.server_helpers import API_KEY, MODEL, check_glance, image_message, start_embedded
+from tests.server.server_helpers import API_KEY, MODEL, check_glance, image_message, png_bytes, start_embedded
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(ngram_corpus_class()[0] is None, reason=str(ngram_corpus_class()[1]))]
@@ -116,7 +116,7 @@ def test_draft_sources_need_mode_glance_and_the_source(keyed_gateway, gateway, s
     # the multipart route takes them as a form field
     r = httpx.post(keyed_gateway.url + "/v1/generate", headers={"Authorization": f"Bearer {KEYS[0]}"},
                    data={"prompt": "hi", "draft_sources": "drafter,beam"},
-                   files={"note": ("note.txt", b"", "text/plain")}, timeout=60)
+                   files={"image": ("a.png", png_bytes(1), "image/png")}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "draft_sources", r.text
 
 

@@ -34,6 +34,11 @@ def test_multipart_png_and_jpeg(gateway, auth):
     ([("image", (f"{k}.png", png_bytes(k), "image/png")) for k in range(3)], {"prompt": "x"}, "too_many_images"),
     ([("image", ("a.png", png_bytes(1), "image/png"))], {"prompt": "x", "max_tokens": "ten"}, "invalid_value"),
     ([("image", ("a.png", png_bytes(1), "image/png"))], {"prompt": "x", "mode": "fast"}, "invalid_value"),
+    # a field the route does not read is refused, never ignored
+    ([("image", ("a.png", png_bytes(1), "image/png"))], {"prompt": "x", "repetition_penalty": "1.1"},
+     "unsupported_parameter"),
+    ([("image", ("a.png", png_bytes(1), "image/png"))], {"prompt": "x", "topk": "5"}, "unsupported_parameter"),
+    ([("image", ("a.png", png_bytes(1), "image/png"))], {"prompt": "x", "min_p": "2"}, "invalid_value"),
 ])
 def test_multipart_bad_forms(gateway, auth, files, data, code):
     r = httpx.post(gateway.url + "/v1/generate", files=files, data=data, headers=auth, timeout=30)
@@ -43,3 +48,20 @@ def test_multipart_bad_forms(gateway, auth, files, data, code):
 def test_multipart_needs_a_form(gateway, auth):
     r = httpx.post(gateway.url + "/v1/generate", json={"prompt": "x"}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_multipart_sampling_fields_are_honoured(gateway, auth):
+    """``top_k``, ``min_p`` and ``min_tokens`` as form fields act as in the chat route: the same seeded answer."""
+    import openai
+
+    from tests.server.server_helpers import API_KEY, image_message
+
+    files = [("image", ("a.png", png_bytes(4), "image/png"))]
+    fields = {"max_tokens": "12", "temperature": "1.3", "seed": "9", "top_k": "3", "min_p": "0.1", "min_tokens": "2"}
+    r = httpx.post(gateway.url + "/v1/generate", files=files, data={"prompt": "describe it", **fields}, headers=auth,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    chat = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0).chat.completions.create(
+        model=MODEL, messages=image_message("describe it", seed=4), max_tokens=12, temperature=1.3, seed=9,
+        extra_body={"top_k": 3, "min_p": 0.1, "min_tokens": 2})
+    assert r.json()["text"] == chat.choices[0].message.content
