@@ -232,6 +232,18 @@ def check_response_format(response_format: dict[str, Any] | None) -> str | None:
                       "invalid_value", "response_format.type")
 
 
+# Fields of OpenAI's, vLLM's or SGLang's request bodies that would change the answer, with the values that do not:
+# a body carrying another value is refused (other unknown fields, such as ``user`` or ``metadata``, are accepted)
+OUTPUT_EXTRAS: dict[str, tuple[Any, ...]] = {
+    "ignore_eos": (None, False), "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "regex": (None,), "ebnf": (None,), "json_schema": (None,), "structural_tag": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "tool_choice": (None, "none", "auto"),
+    "prediction": (None,), "min_new_tokens": (None, 0), "custom_logit_processor": (None,),
+}
+
+
 def reject_unsupported(body: ChatRequest | CompletionRequest) -> None:
     if body.n is not None and body.n != 1:
         raise bad_request(f"n must be 1 on this server (got {body.n})", "unsupported_parameter", "n")
@@ -242,6 +254,10 @@ def reject_unsupported(body: ChatRequest | CompletionRequest) -> None:
             raise bad_request(f"{name} is not supported (only 0)", "unsupported_parameter", name)
     if body.repetition_penalty is not None and body.repetition_penalty != 1.0:
         raise bad_request("repetition_penalty is not supported (only 1)", "unsupported_parameter", "repetition_penalty")
+    extra = body.model_extra or {}
+    for name, neutral in OUTPUT_EXTRAS.items():  # other servers' fields that would change the answer
+        if name in extra and extra[name] not in neutral:
+            raise bad_request(f"{name} is not supported by this server", "unsupported_parameter", name)
 
 
 async def convert_messages(messages: list[ChatMessage], config: ServerConfig,

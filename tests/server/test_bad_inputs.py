@@ -117,6 +117,12 @@ BAD = [
     ("logit_bias value out of range", chat(logit_bias={"21": 200}), 400, "invalid_value"),
     ("logit_bias beyond the vocabulary", chat(logit_bias={"99999999": 1}), 400, "invalid_request"),
     ("top_k below -1", chat(top_k=-2), 400, "invalid_value"),
+    # other servers' fields that would change the answer are refused (unknown ones like `user` are accepted)
+    ("ignore_eos", chat(ignore_eos=True), 400, "unsupported_parameter"),
+    ("stop_token_ids", chat(stop_token_ids=[21]), 400, "unsupported_parameter"),
+    ("guided_json", chat(guided_json={"type": "object"}), 400, "unsupported_parameter"),
+    ("use_beam_search", chat(use_beam_search=True), 400, "unsupported_parameter"),
+    ("tool_choice required", chat(tool_choice="required"), 400, "unsupported_parameter"),
     ("min_p above 1", chat(min_p=1.5), 400, "invalid_value"),
     ("string top_k", chat(top_k="5"), 400, "invalid_request"),
     ("negative max_tokens", chat(max_tokens=-5), 400, "invalid_value"),
@@ -291,6 +297,15 @@ def test_native_generate_honours_or_refuses_every_sampling_parameter(gateway, au
     assert r.status_code == status, r.text
     if status == 400:
         assert r.json()["error"]["code"] in ("unsupported_parameter", "invalid_value"), r.text
+
+
+def test_neutral_extras_and_unknown_fields_are_accepted(gateway, auth):
+    """Other servers' fields at values that do not change the answer, and fields no server reads (``user``,
+    ``metadata``), pass."""
+    body = chat(max_tokens=4, ignore_eos=False, skip_special_tokens=True, tool_choice="auto", user="u1",
+                metadata={"k": "v"}, stop_token_ids=[])
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_correct_request_after_the_bad_ones(gateway, auth):
