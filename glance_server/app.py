@@ -700,13 +700,9 @@ async def native_request(body: Any, config: ServerConfig, processor) -> GenReque
                               f"sampling_params.{key}")
     seed = sp.get("sampling_seed", sp.get("seed"))
     for name, value in (("max_new_tokens", sp.get("max_new_tokens")), ("sampling_seed", seed),
-                        ("top_k", sp.get("top_k"))):
+                        ("top_k", sp.get("top_k")), ("min_new_tokens", sp.get("min_new_tokens"))):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise bad_request(f"sampling_params.{name} must be an integer", "invalid_value", f"sampling_params.{name}")
-    if sp.get("min_new_tokens") is not None and (not isinstance(sp["min_new_tokens"], int)
-                                                 or isinstance(sp["min_new_tokens"], bool)):
-        raise bad_request("sampling_params.min_new_tokens must be an integer", "invalid_value",
-                          "sampling_params.min_new_tokens")
     if sp.get("logit_bias") is not None and not isinstance(sp["logit_bias"], dict):
         raise bad_request("sampling_params.logit_bias must be an object", "invalid_value", "sampling_params.logit_bias")
     params = sampling_params(config, sp.get("max_new_tokens", 128), sp.get("temperature", 1.0), sp.get("top_p"),

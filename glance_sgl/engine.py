@@ -634,7 +634,7 @@ class GlanceEngine:
                  rules: LogitRules | None = None) -> torch.Tensor:
         """Target choices for rows ``logits`` [R, V] at ``depths`` [R]; output index of depth 0 is next_index. The
         request's ``rules`` are applied to ``logits`` first, in place."""
-        if rules:
+        if rules is not None:
             rules.apply(logits[None], depths[None], torch.tensor([next_index]))
         return target_choices(logits[None], depths[None], torch.tensor([next_index]), [spec])[0]
 

@@ -293,7 +293,7 @@ class CachePass:
         rows = self.target.forward_rows(self.state, tree.tokens[0], tree.depths[0], ancestors,
                                         taps=self.taps if taps else None)
         logits = rows.logits[None].cpu()
-        if self.rules:
+        if self.rules is not None:
             self.rules.apply(logits, tree.depths, self.next_index)
         return PassOutput(logits, None if rows.taps is None else rows.taps[None])
 

@@ -162,9 +162,6 @@ class LogitRules:
     bias: torch.Tensor | None = None
     early: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
-    def __bool__(self) -> bool:
-        return self.bias is not None or bool(self.early)
-
     def apply(self, logits: torch.Tensor, depths: torch.Tensor, next_index: torch.Tensor) -> None:
         """In place on ``logits`` [bs, R, V] of a pass over trees of ``depths`` [bs, R]; ``next_index`` [bs]: each
         request's output index of the token after its root. Device ops only (no read back)."""
@@ -218,16 +215,14 @@ def target_choices(
         return t if subset is None else t.index_select(0, subset)
 
     temperature = torch.tensor([s.temperature for s in picked], dtype=torch.float32, device=dev)[:, None, None]
-    top_p: float | torch.Tensor = 1.0
-    if any(s.top_p < 1.0 for s in picked):
-        top_p = torch.tensor([s.top_p for s in picked], dtype=torch.float32, device=dev)[:, None, None]
-    top_k: int | torch.Tensor = 0
-    if any(s.top_k > 0 for s in picked):
-        top_k = torch.tensor([s.top_k for s in picked], dtype=torch.long, device=dev)[:, None, None]
-    min_p: float | torch.Tensor = 0.0
-    if any(s.min_p > 0 for s in picked):
-        min_p = torch.tensor([s.min_p for s in picked], dtype=torch.float32, device=dev)[:, None, None]
-    logp = process_logprobs(rows(logits), temperature, top_p, top_k, min_p)  # [S, R, V]
+
+    def per_request(name: str, off: float | int, dtype: torch.dtype) -> float | int | torch.Tensor:
+        """A filter's values [S, 1, 1] on the device where a request uses it, else its neutral value (no tensor)."""
+        values = [getattr(s, name) for s in picked]
+        return off if all(v == off for v in values) else torch.tensor(values, dtype=dtype, device=dev)[:, None, None]
+
+    logp = process_logprobs(rows(logits), temperature, per_request("top_p", 1.0, torch.float32),
+                            per_request("top_k", 0, torch.long), per_request("min_p", 0.0, torch.float32))  # [S, R, V]
     index = rows(depths).long() + rows(next_index).long()[:, None]
     keys = torch.tensor([_seed_keys(int(s.seed)) for s in picked], dtype=torch.long, device=dev)  # on the host
     logp += _gumbel(_keyed_uniforms(keys, index, logp.shape[-1]))

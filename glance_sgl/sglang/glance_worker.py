@@ -235,9 +235,8 @@ class GlanceWorker(BaseSpecWorker):
         # (forgotten after it)
         self._pending: tuple[RoundResult, float | None, float, set] | None = None
         self._finishing: set = set()
-        # rid -> (its Req, its sampling, what ends it): ``_sampling_and_ends``
-        # per request: (the request object, its sampling, request_end, its stop ids on the device where it has a
-        # min_new_tokens)
+        # rid -> (its Req, its sampling, request_end, its stop ids on the device where it has a min_new_tokens):
+        # ``_sampling_and_ends``
         self._sampling: dict[str, tuple[object, SamplingSpec, tuple[frozenset[int], int, int | None],
                                         torch.Tensor | None]] = {}
         logger.info("GLANCE worker: block %d, tree budget %d, branch_k %d, max depth %d, taps %s, planner %s "
@@ -331,7 +330,7 @@ class GlanceWorker(BaseSpecWorker):
         self._finishing.clear()
 
     def _sampling_and_ends(self, batch: ScheduleBatch
-                           ) -> tuple[list[SamplingSpec], list[frozenset[int]], list[int], LogitRules]:
+                           ) -> tuple[list[SamplingSpec], list[frozenset[int]], list[int], LogitRules | None]:
         """Each request's sampling (:func:`sampling.sampling_spec`), the token ids that end it now and the tokens it
         may still commit (``RoundBatch.stops`` / ``room``; :func:`sampling.request_end`), and the batch's logit
         rules (:func:`sampling.logit_rules`: logit bias, the stop tokens masked before ``min_new_tokens``), read
@@ -684,7 +683,7 @@ class GlanceWorker(BaseSpecWorker):
             tokens = _RequestTokens(batch.reqs, self._vocab, roots_host, committed)
         specs, stops, room, rules = self._sampling_and_ends(batch)
         rounds = RoundBatch(rids, roots, next_index, specs, tokens, roots_host, stops=stops, room=room)
-        target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors, rules if rules else None, next_index)
+        target = SGLangRows(self, batch, seq_lens_cpu, pp_proxy_tensors, rules, next_index)
         source = PoolDrafter(self, batch, seq_lens_cpu)
         sources = [source] if "drafter" in self._sources else []
         if self.ngram is not None:
@@ -921,9 +920,9 @@ class SGLangRows:
 
     def forward(self, tree: DraftTree, taps: bool = True, rows: list[int] | None = None) -> PassOutput:
         """The pass over ``tree`` [bs, R]: logits [bs, R, V] where SGLang left them, with the batch's logit rules
-        applied (``glance_sgl.verify.LogitRules``) and masked by each constrained request's grammar along every row's path;
-        taps [bs, R, L*H] (None where not captured: ``taps`` False, or no drafter among the sources); SGLang's result
-        as the handle. ``rows``: a ragged pass (each request's first ``rows[b]`` rows; ``GlanceWorker.ragged``)."""
+        applied (``glance_sgl.verify.LogitRules``) and masked by each constrained request's grammar along every
+        row's path; taps [bs, R, L*H] (None where not captured: ``taps`` False, or no drafter among the sources);
+        SGLang's result as the handle. ``rows``: a ragged pass (each request's first ``rows[b]`` rows; ``GlanceWorker.ragged``)."""
         w = self.worker
         timer = _PassEvents(w.device) if w.device_is_cuda else None
         # SGLang's forward (attention backend, sampler bookkeeping) is not this step's to bound

@@ -78,15 +78,15 @@ def request_end(req) -> tuple[frozenset[int], int, int | None]:
 
 
 def logit_rules(batch, min_new: Sequence[int], stops: Sequence[torch.Tensor | None], produced: Sequence[int]
-                ) -> LogitRules:
-    """The batch's ``LogitRules``: its sampling info's logit bias, and the stop-token mask of each request
-    whose output (``produced``, a lower bound where the host state lags) is shorter than its ``min_new`` (its
-    ``stops`` tensor: :func:`stop_ids` on the device)."""
+                ) -> LogitRules | None:
+    """The batch's ``LogitRules`` (None: no rule applies): its sampling info's logit bias, and the stop-token
+    mask of each request whose output (``produced``, a lower bound where the host state lags) is shorter than its
+    ``min_new`` (its ``stops`` tensor: :func:`stop_ids` on the device)."""
     info = getattr(batch, "sampling_info", None)
     bias = getattr(info, "logit_bias", None) if info is not None else None
     early = {b: (m, ids) for b, (m, ids, out) in enumerate(zip(min_new, stops, produced))
              if m > 0 and out < m and ids is not None and ids.numel()}
-    return LogitRules(bias, early)
+    return LogitRules(bias, early) if bias is not None or early else None
 
 
 UNSUPPORTED = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0))
