@@ -34,9 +34,8 @@ from .images import decode_data_url, decode_image
 from .jobs import Backend, GenOutput, GenRequest, Job
 from .logprobs import TokenTable, to_sglang
 from .protocol import (PLANNERS, ChatRequest, CompletionRequest, check_model, check_planner, check_text,
-                       chat_request, chunk_body, completion_body, completion_request, parse_draft_sources,
-                       sampling_params,
-                       text_chunk_body, text_completion_body, usage)
+                       chat_request, choice_requests, chunk_body, completion_body, completion_request,
+                       parse_draft_sources, sampling_params, text_chunk_body, text_completion_body, usage)
 from .sglang import IM_START, meta_info, parse_prompt, render_prompt
 from .playground import PLAYGROUND_PATHS, router as playground_router
 from .telemetry import Telemetry
@@ -163,6 +162,22 @@ class Gateway:
             raise
         return self.submit(req)
 
+    async def start_choices(self, req: GenRequest, n: int, request: Request | None = None) -> list[Job]:
+        """The jobs of a request's ``n`` choices, choice ``i`` answered by ``jobs[i]`` (a greedy request: one job
+        for all, :func:`protocol.choice_requests`). The first is checked and prepared by :meth:`start`, the others
+        share its preparation; a refusal (a full queue) cancels the ones queued before it."""
+        reqs = choice_requests(req, n)
+        jobs = [await self.start(req, request)]
+        try:
+            for copy in reqs[1:]:
+                copy.prepared, copy.tenant = req.prepared, req.tenant
+                jobs.append(self.submit(copy))
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        return jobs if len(jobs) == n else jobs * n
+
     def submit(self, req: GenRequest) -> Job:
         try:
             job = self.backend.submit(req)
@@ -214,55 +229,117 @@ class Gateway:
             job.cancel()
         raise APIError(500, "the job ended without a result", "internal_error")
 
-    async def open_stream(self, job: Job, request: Request, t0: float, chunks) -> StreamingResponse:
-        """The SSE response of a job, opened once nothing can refuse it any more: at once when the backend has
-        accepted it (embedded: prepared before queueing), else after its first event, so that an error found
-        while preparing it (an upstream 4xx, SGLang's streamed validation error) is raised here and the client
-        gets its 4xx instead of a 200 and an error event. A client that goes away meanwhile cancels it."""
-        events = self.events(job, t0)
-        if job.accepted:
-            return StreamingResponse(self.stream(job, chunks, None, events), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        watcher = asyncio.create_task(wait_disconnect(request))
-        watcher.add_done_callback(lambda task: job.cancel() if not task.cancelled() else None)
+    async def collect_all(self, jobs: list[Job], request: Request, t0: float) -> list[GenOutput]:
+        """:meth:`collect` of every choice's job (``jobs[i]``: choice i's, a job may answer several); one that
+        fails cancels the others."""
+        unique = list(dict.fromkeys(jobs))
         try:
-            first = await anext(events)
+            outs = await asyncio.gather(*(self.collect(job, request, t0) for job in unique))
         except BaseException:
-            job.cancel()
+            for job in unique:
+                job.cancel()
             raise
-        finally:
-            watcher.cancel()
-        if first[0] == "error":
-            job.cancel()
-            raise first[1]
-        return StreamingResponse(self.stream(job, chunks, first, events), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        found = dict(zip(unique, outs))
+        return [found[job] for job in jobs]
 
-    async def stream(self, job: Job, chunks, first: tuple[str, Any] | None,
-                     events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[bytes]:
-        """SSE framing of a job's events (``first`` if already read, then the rest of ``events``); ``chunks``
-        turns events into JSON objects. When the client goes, Starlette cancels this generator and the job is
-        cancelled with it."""
+    async def merged_events(self, jobs: list[Job], t0: float) -> AsyncIterator[tuple[int, str, Any]]:
+        """``(k, kind, payload)``: the events of ``jobs[k]`` (:meth:`events`), interleaved as they come, until
+        every job is done or failed (a job's timeout is its ``"error"`` event)."""
+        if len(jobs) == 1:
+            async for kind, payload in self.events(jobs[0], t0):
+                yield 0, kind, payload
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, job: Job) -> None:
+            try:
+                async for kind, payload in self.events(job, t0):
+                    queue.put_nowait((k, kind, payload))
+            except APIError as exc:
+                queue.put_nowait((k, "error", exc))
+
+        tasks = [asyncio.create_task(pump(k, job)) for k, job in enumerate(jobs)]
+        try:
+            left = len(jobs)
+            while left:
+                event = await queue.get()
+                yield event
+                left -= event[1] in ("done", "error")
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def open_stream(self, jobs: list[Job], request: Request, t0: float, chunks: list[Any],
+                          trailer: Any = None) -> StreamingResponse:
+        """The SSE response of a request's choices (``chunks[i]`` frames choice i, answered by ``jobs[i]``; a job
+        may answer several), opened once nothing can refuse it any more: at once when the backend has accepted
+        every job (embedded: prepared before queueing), else after each job's first event, so that an error found
+        while preparing it (an upstream 4xx, SGLang's streamed validation error) is raised here and the client
+        gets its 4xx instead of a 200 and an error event. A client that goes away meanwhile cancels them.
+        ``trailer(outs)``: chunks after every choice finished (the usage chunk of several choices)."""
+        unique = list(dict.fromkeys(jobs))
+        events = self.merged_events(unique, t0)
+        early: list[tuple[int, str, Any]] = []
+        waiting = {k for k, job in enumerate(unique) if not job.accepted}
+        if waiting:
+            watcher = asyncio.create_task(wait_disconnect(request))
+            watcher.add_done_callback(lambda task: [job.cancel() for job in unique] if not task.cancelled()
+                                      else None)
+            try:
+                while waiting:
+                    event = await anext(events)
+                    early.append(event)
+                    waiting.discard(event[0])
+                    if event[1] == "error":
+                        raise event[2]
+            except BaseException:
+                for job in unique:
+                    job.cancel()
+                await events.aclose()
+                raise
+            finally:
+                watcher.cancel()
+        owners = [unique.index(job) for job in jobs]
+        return StreamingResponse(self.stream(unique, chunks, owners, early, events, trailer),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def stream(self, jobs: list[Job], chunks: list[Any], owners: list[int], early: list[tuple[int, str, Any]],
+                     events: AsyncIterator[tuple[int, str, Any]], trailer: Any = None) -> AsyncIterator[bytes]:
+        """SSE framing of the choices' events (``early`` if already read, then the rest of ``events``):
+        ``chunks[i]`` turns the events of ``jobs[owners[i]]`` into choice i's JSON objects. An error ends the
+        stream. When the client goes, Starlette cancels this generator and the jobs are cancelled with it."""
+        outs: dict[int, GenOutput] = {}
 
         async def all_events():
-            if first is not None:
-                yield first
-            if first is None or first[0] not in ("done", "error"):
-                async for event in events:
-                    yield event
+            for event in early:
+                yield event
+            async for event in events:
+                yield event
 
         try:
-            for obj in chunks.start():
-                yield sse(obj)
-            async for kind, payload in all_events():
-                objs = (chunks.delta(payload) if kind == "delta" else chunks.done(payload) if kind == "done"
-                        else [payload.body()])
-                for obj in objs:
+            for frame in chunks:
+                for obj in frame.start():
                     yield sse(obj)
+            async for k, kind, payload in all_events():
+                if kind == "error":
+                    yield sse(payload.body())
+                    break
+                if kind == "done":
+                    outs[k] = payload
+                for frame, owner in zip(chunks, owners):
+                    if owner == k:
+                        for obj in frame.delta(payload) if kind == "delta" else frame.done(payload):
+                            yield sse(obj)
+            else:
+                if trailer is not None and len(outs) == len(jobs):
+                    for obj in trailer([outs[owner] for owner in owners]):
+                        yield sse(obj)
         except APIError as exc:
             yield sse(exc.body())
         finally:
-            job.cancel()
+            for job in jobs:
+                job.cancel()
+            await events.aclose()
         yield b"data: [DONE]\n\n"
 
 
@@ -274,13 +351,15 @@ class ChatChunks:
     """OpenAI chat.completion.chunk objects. The ``glance`` object rides on the last chunk before [DONE]
     (the usage chunk with ``stream_options.include_usage``, else the chunk with ``finish_reason``)."""
 
-    def __init__(self, rid: str, model: str, include_usage: bool, tokens: TokenTable | None = None) -> None:
+    def __init__(self, rid: str, model: str, include_usage: bool, tokens: TokenTable | None = None,
+                 index: int = 0) -> None:
         self.rid, self.model, self.include_usage = rid, model, include_usage
         self.tokens = tokens  # with logprobs: the token table that names them
+        self.index = index  # the choice these chunks frame
         self.created = int(time.time())
 
     def start(self):
-        yield chunk_body(self.rid, self.model, self.created, {"role": "assistant", "content": ""})
+        yield chunk_body(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, index=self.index)
 
     def logprobs(self, delta) -> dict[str, Any] | None:
         """The chunk's ``logprobs`` (``{"content": [...]}`` for the delta's tokens) or None."""
@@ -291,14 +370,20 @@ class ChatChunks:
     def delta(self, delta):
         logprobs = self.logprobs(delta)
         if delta.text or logprobs:
-            yield chunk_body(self.rid, self.model, self.created, {"content": delta.text}, logprobs=logprobs)
+            yield chunk_body(self.rid, self.model, self.created, {"content": delta.text}, logprobs=logprobs,
+                             index=self.index)
 
     def done(self, out: GenOutput, **extra):
         if self.include_usage:
-            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason, **extra)
+            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason, index=self.index, **extra)
             yield chunk_body(self.rid, self.model, self.created, None, usage=usage(out), glance=out.glance)
         else:
-            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason, glance=out.glance, **extra)
+            yield chunk_body(self.rid, self.model, self.created, {}, out.finish_reason, index=self.index,
+                             glance=out.glance, **extra)
+
+    def usage_chunks(self, outs: list[GenOutput]):
+        """The usage chunk of several choices (each choice's finish chunk carries its ``glance``)."""
+        yield chunk_body(self.rid, self.model, self.created, None, usage=usage(outs))
 
 
 class RoundChunks(ChatChunks):
@@ -320,10 +405,10 @@ class RoundChunks(ChatChunks):
     counts on every chunk, the split is exact per chunk (a chunk spanning several rounds has ``round`` null)."""
 
     def __init__(self, rid: str, model: str, include_usage: bool, tokenizer=None,
-                 tokens: TokenTable | None = None) -> None:
-        super().__init__(rid, model, include_usage, tokens)
+                 tokens: TokenTable | None = None, index: int = 0) -> None:
+        super().__init__(rid, model, include_usage, tokens, index)
         self.tokenizer = tokenizer
-        self.index = 0  # chunks so far
+        self.count = 0  # chunks so far
         self.rounds = 0  # rounds reported so far (None once a chunk's rounds are unknown)
         self.accepted = 0  # accepted drafts reported so far (those kept in the answer)
         self.upstream_accepted = 0  # the upstream's cumulative accepted-draft count so far
@@ -337,7 +422,7 @@ class RoundChunks(ChatChunks):
 
     def delta(self, delta):
         n = len(delta.token_ids)
-        k, self.index = self.index, self.index + 1
+        k, self.count = self.count, self.count + 1
         info: dict[str, Any] = {"round": None, "rounds": None, "tokens": n, "accepted": None, "bonus": None,
                                 "bonus_text": None, "prefill": False, "provisional": False}
         verify = getattr(delta, "spec_verify_ct", None)  # an upstream's cumulative counts, when it sends them
@@ -364,7 +449,7 @@ class RoundChunks(ChatChunks):
         info["bonus_text"] = self._bonus_text(delta.token_ids, info["bonus"])
         self.last = {"info": info, "token_ids": list(delta.token_ids)}
         yield chunk_body(self.rid, self.model, self.created, {"content": delta.text}, logprobs=self.logprobs(delta),
-                         glance_round=info)
+                         index=self.index, glance_round=info)
 
     def done(self, out: GenOutput):
         g = out.glance
@@ -388,9 +473,9 @@ class CompletionChunks:
     ``with_top``)."""
 
     def __init__(self, rid: str, model: str, include_usage: bool, tokens: TokenTable | None = None,
-                 with_top: bool = False) -> None:
+                 with_top: bool = False, index: int = 0) -> None:
         self.rid, self.model, self.include_usage = rid, model, include_usage
-        self.tokens, self.with_top = tokens, with_top
+        self.tokens, self.with_top, self.index = tokens, with_top, index
         self.created = int(time.time())
         self.offset = 0  # characters of the completion so far (text_offset)
 
@@ -403,14 +488,20 @@ class CompletionChunks:
             logprobs = self.tokens.legacy(delta.logprobs, self.offset, self.with_top)
             self.offset += sum(len(t) for t in logprobs["tokens"])
         if delta.text or logprobs:
-            yield text_chunk_body(self.rid, self.model, self.created, delta.text, logprobs=logprobs)
+            yield text_chunk_body(self.rid, self.model, self.created, delta.text, logprobs=logprobs,
+                                  index=self.index)
 
     def done(self, out: GenOutput):
         if self.include_usage:
-            yield text_chunk_body(self.rid, self.model, self.created, "", out.finish_reason)
+            yield text_chunk_body(self.rid, self.model, self.created, "", out.finish_reason, index=self.index)
             yield text_chunk_body(self.rid, self.model, self.created, None, usage=usage(out), glance=out.glance)
         else:
-            yield text_chunk_body(self.rid, self.model, self.created, "", out.finish_reason, glance=out.glance)
+            yield text_chunk_body(self.rid, self.model, self.created, "", out.finish_reason, index=self.index,
+                                  glance=out.glance)
+
+    def usage_chunks(self, outs: list[GenOutput]):
+        """The usage chunk of several choices (as :meth:`ChatChunks.usage_chunks`)."""
+        yield text_chunk_body(self.rid, self.model, self.created, None, usage=usage(outs))
 
 
 class NativeChunks:
@@ -531,35 +622,42 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
     async def chat_completions(body: ChatRequest, request: Request):
         t0 = time.perf_counter()
         req = await chat_request(body, config, gw.http)
-        job = await gw.start(req, request)
+        n = body.n or 1
+        jobs = await gw.start_choices(req, n, request)
         model = config.served_model_name
         tokens = backend.tokens if req.params.logprobs is not None else None
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = (RoundChunks(req.request_id, model, include, getattr(processor, "tokenizer", None), tokens)
-                      if body.glance and body.glance.stream_rounds
-                      else ChatChunks(req.request_id, model, include, tokens))
-            return await gw.open_stream(job, request, t0, chunks)
-        out = await gw.collect(job, request, t0)
-        logprobs = {"content": tokens.chat_entries(out.logprobs or [])} if tokens is not None else None
-        return completion_body(req.request_id, model, out, logprobs)
+            own = include and n == 1  # one choice: the usage chunk is its own (with its glance object)
+            rounds = bool(body.glance and body.glance.stream_rounds)
+            chunks = [RoundChunks(req.request_id, model, own, getattr(processor, "tokenizer", None), tokens, i)
+                      if rounds else ChatChunks(req.request_id, model, own, tokens, i) for i in range(n)]
+            return await gw.open_stream(jobs, request, t0, chunks,
+                                        chunks[0].usage_chunks if include and n > 1 else None)
+        outs = await gw.collect_all(jobs, request, t0)
+        logprobs = [{"content": tokens.chat_entries(out.logprobs or [])} if tokens is not None else None
+                    for out in outs]
+        return completion_body(req.request_id, model, outs, logprobs)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI's legacy text completions: ``prompt`` is raw text (no chat template), no images."""
         t0 = time.perf_counter()
         req = completion_request(body, config)
-        job = await gw.start(req, request)
+        n = body.n or 1
+        jobs = await gw.start_choices(req, n, request)
         model = config.served_model_name
         tokens = backend.tokens if req.params.logprobs is not None else None
         with_top = bool(req.params.logprobs)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return await gw.open_stream(job, request, t0,
-                                        CompletionChunks(req.request_id, model, include, tokens, with_top))
-        out = await gw.collect(job, request, t0)
-        logprobs = tokens.legacy(out.logprobs or [], 0, with_top) if tokens is not None else None
-        return text_completion_body(req.request_id, model, out, logprobs)
+            chunks = [CompletionChunks(req.request_id, model, include and n == 1, tokens, with_top, i)
+                      for i in range(n)]
+            return await gw.open_stream(jobs, request, t0, chunks,
+                                        chunks[0].usage_chunks if include and n > 1 else None)
+        outs = await gw.collect_all(jobs, request, t0)
+        logprobs = [tokens.legacy(out.logprobs or [], 0, with_top) if tokens is not None else None for out in outs]
+        return text_completion_body(req.request_id, model, outs, logprobs)
 
     @app.post("/v1/generate")
     async def generate_multipart(request: Request):
@@ -588,7 +686,7 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
             rid = str(body.get("rid") or req.request_id)
             top = req.params.logprobs
             if body.get("stream"):
-                return await gw.open_stream(job, request, t0, NativeChunks(rid, top))
+                return await gw.open_stream([job], request, t0, [NativeChunks(rid, top)])
             out = await gw.collect(job, request, t0)
             return native_body(rid, out, time.perf_counter() - t0, top)
 

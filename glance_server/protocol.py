@@ -40,6 +40,7 @@ So ``completion_tokens == prefill_tokens + sum(committed_per_round)``, ``tau == 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any, Literal
@@ -244,9 +245,13 @@ OUTPUT_EXTRAS: dict[str, tuple[Any, ...]] = {
 }
 
 
+MAX_CHOICES = 8  # ``n``: the most choices one request may ask for
+
+
 def reject_unsupported(body: ChatRequest | CompletionRequest) -> None:
-    if body.n is not None and body.n != 1:
-        raise bad_request(f"n must be 1 on this server (got {body.n})", "unsupported_parameter", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise bad_request(f"n must be between 1 and {MAX_CHOICES} on this server, got {body.n}", "invalid_value",
+                          "n")
     if getattr(body, "tools", None):
         raise bad_request("tools are not supported", "unsupported_parameter", "tools")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -338,8 +343,9 @@ def completion_request(body: CompletionRequest, config: ServerConfig) -> GenRequ
     """A legacy completions request -> a raw-prompt GenRequest (same limits as chat)."""
     check_model(body.model, config)
     reject_unsupported(body)
-    if body.best_of is not None and body.best_of != 1:
-        raise bad_request(f"best_of must be 1 on this server (got {body.best_of})", "unsupported_parameter",
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise bad_request(f"best_of must equal n on this server (got best_of {body.best_of}, n {body.n or 1}): "
+                          "ranking more candidates than it returns is not supported", "unsupported_parameter",
                           "best_of")
     if body.echo:
         raise bad_request("echo is not supported", "unsupported_parameter", "echo")
@@ -451,56 +457,87 @@ def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: in
     }
 
 
+def choice_requests(req: GenRequest, n: int) -> list[GenRequest]:
+    """The engine requests behind a request's ``n`` choices (OpenAI's ``n``). Greedy: one request, whose answer
+    is every choice's (they would all be the same). Sampled: one request per choice, choice ``i`` seeded ``seed +
+    i`` (the same answer as a request with ``n`` 1 and that seed), or each drawing its own seed where the request
+    has none. The copies share the first one's prepared inputs; each has its own request id (``<id>-<i>``)."""
+    if n <= 1 or req.params.temperature == 0.0:
+        return [req]
+    out = [req]
+    for i in range(1, n):
+        seed = None if req.params.seed is None else req.params.seed + i
+        out.append(dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seed),
+                                       request_id=f"{req.request_id}-{i}"))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ bodies
-def usage(out: GenOutput) -> dict[str, int]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
+def usage(outs: GenOutput | list[GenOutput]) -> dict[str, int]:
+    """OpenAI's usage of one answer, or of a request's choices (the prompt counted once, every choice's tokens)."""
+    outs = outs if isinstance(outs, list) else [outs]
+    prompt, completion = outs[0].prompt_tokens, sum(out.completion_tokens for out in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(rid: str, model: str, out: GenOutput, logprobs: dict[str, Any] | None = None
+def completion_body(rid: str, model: str, outs: list[GenOutput], logprobs: list[dict[str, Any] | None]
                     ) -> dict[str, Any]:
-    """A chat.completion; ``logprobs``: the choice's ``{"content": [...]}`` (see :mod:`logprobs`) or None."""
+    """A chat.completion of ``outs`` (choice i: ``outs[i]`` and its ``logprobs[i]``, ``{"content": [...]}`` (see
+    :mod:`logprobs`) or None). ``glance``: the first choice's metrics; with several choices each also carries its
+    own."""
+    choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
+                "finish_reason": out.finish_reason} for i, (out, lp) in enumerate(zip(outs, logprobs))]
     return {
         "id": f"chatcmpl-{rid}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                     "finish_reason": out.finish_reason}],
-        "usage": usage(out),
-        "glance": out.glance,
+        "choices": _with_glance(choices, outs),
+        "usage": usage(outs),
+        "glance": outs[0].glance,
     }
 
 
+def _with_glance(choices: list[dict[str, Any]], outs: list[GenOutput]) -> list[dict[str, Any]]:
+    """Several choices: each with its own ``glance`` object (one choice: the body's ``glance`` is its)."""
+    if len(choices) > 1:
+        for choice, out in zip(choices, outs):
+            choice["glance"] = out.glance
+    return choices
+
+
 def chunk_body(rid: str, model: str, created: int, delta: dict[str, Any] | None,
-               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
                **extra: Any) -> dict[str, Any]:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None, "choices": choices, **extra}
 
 
-def text_completion_body(rid: str, model: str, out: GenOutput, logprobs: dict[str, Any] | None = None
+def text_completion_body(rid: str, model: str, outs: list[GenOutput], logprobs: list[dict[str, Any] | None]
                          ) -> dict[str, Any]:
-    """A legacy ``text_completion``; ``logprobs`` in the legacy format or None."""
+    """A legacy ``text_completion`` of ``outs``; ``logprobs[i]`` in the legacy format or None (``glance`` as in
+    :func:`completion_body`)."""
+    choices = [{"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
+               for i, (out, lp) in enumerate(zip(outs, logprobs))]
     return {
         "id": f"cmpl-{rid}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
-        "usage": usage(out),
-        "glance": out.glance,
+        "choices": _with_glance(choices, outs),
+        "usage": usage(outs),
+        "glance": outs[0].glance,
     }
 
 
 def text_chunk_body(rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
-                    logprobs: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+                    logprobs: dict[str, Any] | None = None, index: int = 0, **extra: Any) -> dict[str, Any]:
     """One streamed ``text_completion`` object (``text`` None: the usage chunk, no choices)."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs,
+    choices = [] if text is None else [{"index": index, "text": text, "logprobs": logprobs,
                                         "finish_reason": finish_reason}]
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": None, "choices": choices, **extra}

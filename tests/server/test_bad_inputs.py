@@ -108,7 +108,8 @@ BAD = [
     ("SSRF 0.0.0.0", with_url("http://0.0.0.0:9/a.png"), 400, "image_url_forbidden_address"),
     ("host not on the allowlist", with_url("http://images.example.com/a.png"), 400, "image_host_not_allowed"),
     ("empty messages", chat([]), 400, "invalid_value"),
-    ("n=2", chat(n=2), 400, "unsupported_parameter"),
+    ("n=0", chat(n=0), 400, "invalid_value"),
+    ("n over the limit", chat(n=9), 400, "invalid_value"),
     # penalties are refused, never ignored (top_k, min_p, min_tokens, logit_bias are honoured: test_openai_api.py)
     ("frequency_penalty", chat(frequency_penalty=0.5), 400, "unsupported_parameter"),
     ("repetition_penalty", chat(repetition_penalty=1.05), 400, "unsupported_parameter"),
@@ -163,7 +164,7 @@ BAD_COMPLETIONS = [
     ("empty prompt", {"prompt": ""}, 400, "invalid_value"),
     ("missing prompt", {}, 400, "invalid_request"),
     ("echo", {"prompt": "a", "echo": True}, 400, "unsupported_parameter"),
-    ("best_of 2", {"prompt": "a", "best_of": 2}, 400, "unsupported_parameter"),
+    ("best_of over n", {"prompt": "a", "best_of": 2}, 400, "unsupported_parameter"),
     ("logprobs over 20", {"prompt": "a", "logprobs": 21}, 400, "invalid_value"),
     ("special token in the prompt", {"prompt": "a <|image_pad|> b"}, 400, "special_token_in_text"),
     ("unknown model", {"prompt": "a", "model": "gpt-3.5-turbo-instruct"}, 404, "model_not_found"),

@@ -206,6 +206,43 @@ def test_completions_endpoint(gateway, engine):
     assert chunks[-1].model_extra["glance"]["completion_tokens"] == resp.usage.completion_tokens
 
 
+def test_n_choices_are_the_answers_of_their_seeds(gateway):
+    """``n`` choices: a greedy request's are all its one answer; a seeded one's choice i is the answer of seed
+    ``seed + i`` alone, streamed too (every chunk names its choice, one finish chunk per choice, one usage chunk
+    for all); usage counts the prompt once and every choice's tokens; each choice carries its glance object."""
+    c = client(gateway)
+    messages = image_message("describe the picture", seed=6)
+    one = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    three = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, n=3)
+    assert [ch.index for ch in three.choices] == [0, 1, 2]
+    assert {ch.message.content for ch in three.choices} == {one.choices[0].message.content}
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=10, temperature=1.0)
+    alone = [c.chat.completions.create(**kwargs, seed=40 + i).choices[0].message.content for i in range(3)]
+    assert len(set(alone)) > 1  # the seeds give different answers, so the check below can fail
+    both = c.chat.completions.create(**kwargs, seed=40, n=3)
+    assert [ch.message.content for ch in both.choices] == alone
+    for ch in both.choices:
+        check_glance(ch.model_extra["glance"], ch.model_extra["glance"]["completion_tokens"])
+    assert both.usage.completion_tokens == sum(ch.model_extra["glance"]["completion_tokens"] for ch in both.choices)
+    chunks = list(c.chat.completions.create(**kwargs, seed=40, n=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts, finished = ["", "", ""], []
+    for chunk in chunks[:-1]:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.append(ch.index)
+                assert chunk.model_extra["glance"]["completion_tokens"] > 0  # the choice's own metrics
+    assert texts == alone and sorted(finished) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == both.usage.completion_tokens
+    # legacy completions alike
+    kwargs = dict(model=MODEL, prompt="once upon a time", max_tokens=8, temperature=1.0)
+    alone = [c.completions.create(**kwargs, seed=3 + i).choices[0].text for i in range(2)]
+    assert [ch.text for ch in c.completions.create(**kwargs, seed=3, n=2, best_of=2).choices] == alone
+
+
 def test_model_retrieve_and_refusals_through_the_client(gateway):
     c = client(gateway)
     assert c.models.retrieve(MODEL).id == MODEL

@@ -64,6 +64,23 @@ def test_sampling_filters_and_logit_rules_reach_the_upstream(gateway, sglang_gat
     assert ruled.usage.completion_tokens == direct_ruled.usage.completion_tokens == 6  # 5 tokens, then the EOS
 
 
+def test_n_choices_through_sglang_backend(gateway, sglang_gateway):
+    """``n`` seeded choices through the SGLang backend: one upstream request per choice, choice i seeded ``seed +
+    i``: the embedded backend's choices, streamed too."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "tell me a story about a robot"}],
+                  max_tokens=10, temperature=1.0, seed=11, n=2)
+    direct = openai.OpenAI(base_url=gateway.url + "/v1", api_key=API_KEY, max_retries=0).chat.completions
+    proxied = openai.OpenAI(base_url=sglang_gateway.url + "/v1", api_key="unused", max_retries=0).chat.completions
+    want = [ch.message.content for ch in direct.create(**kwargs).choices]
+    got = proxied.create(**kwargs)
+    assert [ch.message.content for ch in got.choices] == want and want[0] != want[1]
+    texts = ["", ""]
+    for chunk in proxied.create(**kwargs, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == want
+
+
 def test_native_generate_format(gateway, engine, auth):
     messages = [{"role": "user", "content": [{"type": "image", "image": None}, {"type": "text", "text": "hi"}]}]
     from PIL import Image
