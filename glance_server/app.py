@@ -34,7 +34,7 @@ from .images import decode_data_url, decode_image
 from .jobs import Backend, GenOutput, GenRequest, Job
 from .logprobs import TokenTable, to_sglang
 from .protocol import (PLANNERS, ChatRequest, CompletionRequest, check_model, check_planner, check_text,
-                       chat_request, choice_requests, chunk_body, completion_body, completion_request,
+                       chat_request, choice_requests, chunk_body, completion_body, completion_requests,
                        parse_draft_sources, sampling_params, text_chunk_body, text_completion_body, usage)
 from .sglang import IM_START, meta_info, parse_prompt, render_prompt
 from .playground import PLAYGROUND_PATHS, router as playground_router
@@ -499,9 +499,10 @@ class CompletionChunks:
             yield text_chunk_body(self.rid, self.model, self.created, "", out.finish_reason, index=self.index,
                                   glance=out.glance)
 
-    def usage_chunks(self, outs: list[GenOutput]):
-        """The usage chunk of several choices (as :meth:`ChatChunks.usage_chunks`)."""
-        yield text_chunk_body(self.rid, self.model, self.created, None, usage=usage(outs))
+    def usage_chunks(self, outs: list[GenOutput], per_prompt: int | None = None):
+        """The usage chunk of several choices (as :meth:`ChatChunks.usage_chunks`; ``per_prompt``: as in
+        :func:`protocol.usage`)."""
+        yield text_chunk_body(self.rid, self.model, self.created, None, usage=usage(outs, per_prompt))
 
 
 class NativeChunks:
@@ -641,23 +642,31 @@ def create_app(config: ServerConfig, backend: Backend, processor=None) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        """OpenAI's legacy text completions: ``prompt`` is raw text (no chat template), no images."""
+        """OpenAI's legacy text completions: ``prompt`` is raw text (no chat template), no images; a list of
+        prompts is a batch (choice ``k * n + i``: prompt k's i-th)."""
         t0 = time.perf_counter()
-        req = completion_request(body, config)
+        reqs = completion_requests(body, config)
         n = body.n or 1
-        jobs = await gw.start_choices(req, n, request)
-        model = config.served_model_name
-        tokens = backend.tokens if req.params.logprobs is not None else None
-        with_top = bool(req.params.logprobs)
+        jobs: list[Job] = []
+        try:
+            for req in reqs:
+                jobs += await gw.start_choices(req, n, request)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        rid, model = reqs[0].request_id, config.served_model_name
+        tokens = backend.tokens if reqs[0].params.logprobs is not None else None
+        with_top = bool(reqs[0].params.logprobs)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = [CompletionChunks(req.request_id, model, include and n == 1, tokens, with_top, i)
-                      for i in range(n)]
-            return await gw.open_stream(jobs, request, t0, chunks,
-                                        chunks[0].usage_chunks if include and n > 1 else None)
+            one = len(jobs) == 1  # one choice: the usage chunk is its own (with its glance object)
+            chunks = [CompletionChunks(rid, model, include and one, tokens, with_top, i) for i in range(len(jobs))]
+            trailer = (lambda outs: chunks[0].usage_chunks(outs, n)) if include and not one else None
+            return await gw.open_stream(jobs, request, t0, chunks, trailer)
         outs = await gw.collect_all(jobs, request, t0)
         logprobs = [tokens.legacy(out.logprobs or [], 0, with_top) if tokens is not None else None for out in outs]
-        return text_completion_body(req.request_id, model, outs, logprobs)
+        return text_completion_body(rid, model, outs, logprobs, n)
 
     @app.post("/v1/generate")
     async def generate_multipart(request: Request):

@@ -242,10 +242,12 @@ OUTPUT_EXTRAS: dict[str, tuple[Any, ...]] = {
     "regex": (None,), "ebnf": (None,), "json_schema": (None,), "structural_tag": (None,),
     "functions": (None, []), "function_call": (None, "none"), "tool_choice": (None, "none", "auto"),
     "prediction": (None,), "min_new_tokens": (None, 0), "custom_logit_processor": (None,),
+    "modalities": (None, ["text"]), "audio": (None,),  # OpenAI's audio output
 }
 
 
 MAX_CHOICES = 8  # ``n``: the most choices one request may ask for
+MAX_BATCH = 16  # legacy completions: the most choices (prompts x n) one request may ask for
 
 
 def reject_unsupported(body: ChatRequest | CompletionRequest) -> None:
@@ -339,8 +341,9 @@ def glance_options(options: GlanceOptions | None, config: ServerConfig) -> Glanc
     return options
 
 
-def completion_request(body: CompletionRequest, config: ServerConfig) -> GenRequest:
-    """A legacy completions request -> a raw-prompt GenRequest (same limits as chat)."""
+def completion_requests(body: CompletionRequest, config: ServerConfig) -> list[GenRequest]:
+    """A legacy completions request -> one raw-prompt GenRequest per prompt (same limits as chat; a list of
+    strings is a batch: at most :data:`MAX_BATCH` choices in all, ``n`` per prompt)."""
     check_model(body.model, config)
     reject_unsupported(body)
     if body.best_of is not None and body.best_of != (body.n or 1):
@@ -351,18 +354,21 @@ def completion_request(body: CompletionRequest, config: ServerConfig) -> GenRequ
         raise bad_request("echo is not supported", "unsupported_parameter", "echo")
     if body.suffix:
         raise bad_request("suffix is not supported", "unsupported_parameter", "suffix")
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise bad_request("prompt must be a string (or a list of exactly one string); token-id prompts and "
-                              "batches are not supported", "unsupported_parameter", "prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise bad_request("prompt must be a non-empty string", "invalid_value", "prompt")
-    check_text(prompt, "prompt")
-    if len(prompt) > config.max_prompt_chars:
-        raise bad_request(f"the prompt has {len(prompt)} characters; the limit is {config.max_prompt_chars}",
-                          "context_length_exceeded", "prompt")
+    prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise bad_request("prompt must be a string or a list of strings; token-id prompts are not supported",
+                          "unsupported_parameter", "prompt")
+    if len(prompts) * (body.n or 1) > MAX_BATCH:
+        raise bad_request(f"{len(prompts)} prompts x n {body.n or 1} choices; this server answers at most "
+                          f"{MAX_BATCH} choices a request", "invalid_value", "prompt")
+    for k, prompt in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+        if not prompt:
+            raise bad_request(f"{where} must be a non-empty string", "invalid_value", where)
+        check_text(prompt, where)
+        if len(prompt) > config.max_prompt_chars:
+            raise bad_request(f"{where} has {len(prompt)} characters; the limit is {config.max_prompt_chars}",
+                              "context_length_exceeded", where)
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.logprobs}",
                           "invalid_value", "logprobs")
@@ -370,9 +376,10 @@ def completion_request(body: CompletionRequest, config: ServerConfig) -> GenRequ
                              logprobs=body.logprobs, top_k=body.top_k, min_p=body.min_p, logit_bias=body.logit_bias,
                              min_tokens=body.min_tokens)
     options = glance_options(body.glance, config)
-    return GenRequest(messages=[], prompt=prompt, params=params, mode=options.mode, planner=options.planner,
-                      measure_speedup=options.measure_speedup, debug_fault=options.debug_fault,
-                      draft_sources=parse_draft_sources(options.draft_sources))
+    sources = parse_draft_sources(options.draft_sources)
+    return [GenRequest(messages=[], prompt=prompt, params=params, mode=options.mode, planner=options.planner,
+                       measure_speedup=options.measure_speedup, debug_fault=options.debug_fault,
+                       draft_sources=sources) for prompt in prompts]
 
 
 def check_planner(planner: str | None, mode: str, param: str = "glance.planner") -> None:
@@ -473,10 +480,13 @@ def choice_requests(req: GenRequest, n: int) -> list[GenRequest]:
 
 
 # ------------------------------------------------------------------------------------------------ bodies
-def usage(outs: GenOutput | list[GenOutput]) -> dict[str, int]:
-    """OpenAI's usage of one answer, or of a request's choices (the prompt counted once, every choice's tokens)."""
+def usage(outs: GenOutput | list[GenOutput], per_prompt: int | None = None) -> dict[str, int]:
+    """OpenAI's usage of one answer, or of a request's choices (every choice's tokens; each prompt counted once:
+    ``per_prompt`` choices each, in prompt order; None: all of one prompt)."""
     outs = outs if isinstance(outs, list) else [outs]
-    prompt, completion = outs[0].prompt_tokens, sum(out.completion_tokens for out in outs)
+    step = per_prompt or len(outs)
+    prompt = sum(out.prompt_tokens for out in outs[::step])
+    completion = sum(out.completion_tokens for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -516,9 +526,10 @@ def chunk_body(rid: str, model: str, created: int, delta: dict[str, Any] | None,
             "system_fingerprint": None, "choices": choices, **extra}
 
 
-def text_completion_body(rid: str, model: str, outs: list[GenOutput], logprobs: list[dict[str, Any] | None]
-                         ) -> dict[str, Any]:
-    """A legacy ``text_completion`` of ``outs``; ``logprobs[i]`` in the legacy format or None (``glance`` as in
+def text_completion_body(rid: str, model: str, outs: list[GenOutput], logprobs: list[dict[str, Any] | None],
+                         per_prompt: int | None = None) -> dict[str, Any]:
+    """A legacy ``text_completion`` of ``outs`` (``per_prompt`` choices of each prompt, in prompt order: choice
+    ``k * per_prompt + i`` is prompt k's i-th); ``logprobs[i]`` in the legacy format or None (``glance`` as in
     :func:`completion_body`)."""
     choices = [{"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
                for i, (out, lp) in enumerate(zip(outs, logprobs))]
@@ -529,7 +540,7 @@ def text_completion_body(rid: str, model: str, outs: list[GenOutput], logprobs: 
         "model": model,
         "system_fingerprint": None,
         "choices": _with_glance(choices, outs),
-        "usage": usage(outs),
+        "usage": usage(outs, per_prompt),
         "glance": outs[0].glance,
     }
 

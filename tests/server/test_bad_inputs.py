@@ -124,6 +124,7 @@ BAD = [
     ("guided_json", chat(guided_json={"type": "object"}), 400, "unsupported_parameter"),
     ("use_beam_search", chat(use_beam_search=True), 400, "unsupported_parameter"),
     ("tool_choice required", chat(tool_choice="required"), 400, "unsupported_parameter"),
+    ("audio output", chat(modalities=["text", "audio"]), 400, "unsupported_parameter"),
     ("min_p above 1", chat(min_p=1.5), 400, "invalid_value"),
     ("string top_k", chat(top_k="5"), 400, "invalid_request"),
     ("negative max_tokens", chat(max_tokens=-5), 400, "invalid_value"),
@@ -160,7 +161,9 @@ BAD = [
 
 BAD_COMPLETIONS = [
     ("token-id prompt", {"prompt": [1, 2, 3]}, 400, "unsupported_parameter"),
-    ("two prompts", {"prompt": ["a", "b"]}, 400, "unsupported_parameter"),
+    ("a batch over 16 choices", {"prompt": ["a", "b", "c"], "n": 6}, 400, "invalid_value"),
+    ("an empty prompt in a batch", {"prompt": ["a", ""]}, 400, "invalid_value"),
+    ("a token-id prompt in a batch", {"prompt": ["a", [1, 2]]}, 400, "unsupported_parameter"),
     ("empty prompt", {"prompt": ""}, 400, "invalid_value"),
     ("missing prompt", {}, 400, "invalid_request"),
     ("echo", {"prompt": "a", "echo": True}, 400, "unsupported_parameter"),

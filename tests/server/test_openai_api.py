@@ -237,10 +237,24 @@ def test_n_choices_are_the_answers_of_their_seeds(gateway):
                 assert chunk.model_extra["glance"]["completion_tokens"] > 0  # the choice's own metrics
     assert texts == alone and sorted(finished) == [0, 1, 2]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == both.usage.completion_tokens
-    # legacy completions alike
-    kwargs = dict(model=MODEL, prompt="once upon a time", max_tokens=8, temperature=1.0)
-    alone = [c.completions.create(**kwargs, seed=3 + i).choices[0].text for i in range(2)]
-    assert [ch.text for ch in c.completions.create(**kwargs, seed=3, n=2, best_of=2).choices] == alone
+    # legacy completions alike, and a batch of prompts: choice k * n + i is prompt k's i-th
+    kwargs = dict(model=MODEL, max_tokens=8, temperature=1.0)
+    prompts = ["once upon a time", "the robot said"]
+    alone = [c.completions.create(**kwargs, prompt=p, seed=3 + i) for p in prompts for i in range(2)]
+    assert [ch.text for ch in c.completions.create(**kwargs, prompt=prompts[0], seed=3, n=2, best_of=2).choices] \
+        == [r.choices[0].text for r in alone[:2]]
+    batch = c.completions.create(**kwargs, prompt=prompts, seed=3, n=2)
+    assert [ch.text for ch in batch.choices] == [r.choices[0].text for r in alone]
+    assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
+    assert batch.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
+    assert batch.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    texts = [""] * 4
+    chunks = list(c.completions.create(**kwargs, prompt=prompts, seed=3, n=2, stream=True,
+                                       stream_options={"include_usage": True}))
+    for chunk in chunks:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == [ch.text for ch in batch.choices] and chunks[-1].usage == batch.usage
 
 
 def test_model_retrieve_and_refusals_through_the_client(gateway):
