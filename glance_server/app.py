@@ -257,6 +257,10 @@ class Gateway:
                     queue.put_nowait((k, kind, payload))
             except APIError as exc:
                 queue.put_nowait((k, "error", exc))
+            except Exception as exc:  # never leave the merge waiting for a job that can no longer end
+                log.exception("choice %d's events failed", k)
+                queue.put_nowait((k, "error", APIError(500, f"internal error: {type(exc).__name__}",
+                                                       "internal_error")))
 
         tasks = [asyncio.create_task(pump(k, job)) for k, job in enumerate(jobs)]
         try:
@@ -348,8 +352,10 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 class ChatChunks:
-    """OpenAI chat.completion.chunk objects. The ``glance`` object rides on the last chunk before [DONE]
-    (the usage chunk with ``stream_options.include_usage``, else the chunk with ``finish_reason``)."""
+    """OpenAI chat.completion.chunk objects of choice ``index``. The ``glance`` object rides on the last chunk
+    before [DONE] (the usage chunk with ``stream_options.include_usage``, else the chunk with ``finish_reason``);
+    with several choices each choice's finish chunk carries its own and one usage chunk (:meth:`usage_chunks`)
+    ends the stream."""
 
     def __init__(self, rid: str, model: str, include_usage: bool, tokens: TokenTable | None = None,
                  index: int = 0) -> None:
@@ -468,7 +474,7 @@ class RoundChunks(ChatChunks):
 
 
 class CompletionChunks:
-    """OpenAI text_completion stream objects (legacy completions); ``glance`` rides on the last one, as in
+    """OpenAI text_completion stream objects of choice ``index`` (legacy completions); ``glance`` rides as in
     :class:`ChatChunks`. ``tokens``: with logprobs, the token table (legacy format, ``top`` alternatives when
     ``with_top``)."""
 
