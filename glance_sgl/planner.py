@@ -409,6 +409,12 @@ class Planner:
             st.retired = True
         return not st.retired
 
+    def retired(self, rid: object) -> bool:
+        """Whether request ``rid`` never drafts again (retired at birth, after a failed probe while the drafter
+        idles, or carried by its matches; mode "off" never drafts): where the drafter is its only source, the rest
+        of its answer is plain decoding (the embedded engine runs it on its AR path)."""
+        return self.mode == "off" or self.state(rid).retired
+
     def context_mask(self, rids: Sequence[object]) -> list[bool]:
         """Per request of ``rids``, whether the engine keeps its drafter context current through this round (its
         committed rows fed to the drafter; the pass captures the tap features where any request's is kept): not
@@ -1003,6 +1009,9 @@ class AlwaysDraft:
 
     def admit(self, rid: object) -> bool:
         return True
+
+    def retired(self, rid: object) -> bool:
+        return False
 
     def context_mask(self, rids: Sequence[object]) -> list[bool]:
         return [True] * len(rids)

@@ -177,3 +177,31 @@ def test_freeze_gc_takes_the_start_up_objects_out_of_full_collections(engine, me
         assert engine.generate(messages, SamplingParams(max_tokens=4)).metrics.completion_tokens == 4
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("when", ["at birth", "after its first round"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_retired_request_decodes_on_the_ar_path(engine, messages, monkeypatch, when, temperature):
+    """A request the planner retires (it never drafts again) whose only source is the drafter decodes the rest
+    of its answer on the AR path, one step a token without the round's gate, walk or report: the AR answer (greedy
+    and seeded), each step still counted as a round without drafting."""
+    from glance_sgl.planner import Planner
+
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=7)
+    ar = engine.generate(messages, params, mode="ar").token_ids
+    planner = engine.planner("auto")
+    if when == "at birth":
+        monkeypatch.setattr(Planner, "retired", lambda self, rid: True)
+    else:
+        rounds: list[object] = []
+        monkeypatch.setattr(Planner, "report", lambda self, report, _orig=Planner.report: (
+            rounds.append(report), _orig(self, report)))
+        monkeypatch.setattr(Planner, "retired", lambda self, rid: bool(rounds))
+    result = engine.generate(messages, params, mode="glance", planner="auto", draft_sources=["drafter"])
+    m = result.metrics
+    assert result.token_ids == ar
+    assert m.rounds == len(ar) - 1 - sum(a for a in m.accept_lengths) and m.drafter_passes <= 1
+    reported = 0 if when == "at birth" else 1
+    assert m.rounds - reported == sum(1 for c in m.committed_per_round[reported:] if c == 1)  # one token a step
+    assert (m.round_part_ms.get("report", 0.0) > 0) == (when != "at birth")
+    assert planner.known() == set()  # forgotten at its end, whichever path it ended on
