@@ -606,7 +606,9 @@ class GlanceEngine:
                     new_tokens = [token]
                     kept = out.add(new_tokens, token_logprobs(ar_rows.logits, new_tokens, k) if k is not None
                                    else None)
-                    metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None)
+                    # a retired request's step is the planner's round without a tree: one token, as it expected
+                    metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None,
+                                         predicted=1.0 if plain else None)
                 else:
                     new_tokens, rec = self.speculative_round(request, out.token_ids, spec, logprobs=k is not None,
                                                              room=params.max_tokens - len(out.token_ids))

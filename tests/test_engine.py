@@ -204,4 +204,5 @@ def test_a_retired_request_decodes_on_the_ar_path(engine, messages, monkeypatch,
     reported = 0 if when == "at birth" else 1
     assert m.rounds - reported == sum(1 for c in m.committed_per_round[reported:] if c == 1)  # one token a step
     assert (m.round_part_ms.get("report", 0.0) > 0) == (when != "at birth")
+    assert m.to_dict()["predicted_tokens_per_round"] >= 1.0  # each AR step the planner's: one token expected
     assert planner.known() == set()  # forgotten at its end, whichever path it ended on
