@@ -183,6 +183,8 @@ class RoundPolicy(Protocol):
 
     def context_mask(self, rids: Sequence[Hashable]) -> list[bool]: ...
 
+    def retired(self, rid: Hashable) -> bool: ...
+
     def choose(self, rids: Sequence[Hashable], scores: torch.Tensor, depths: torch.Tensor,
                sources: torch.Tensor | None = None, drafter_ran: bool = True,
                drafted: Sequence[bool] | None = None) -> Plan: ...
@@ -328,14 +330,14 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
     back once after the walk (``WalkResult.host_copy``, the lead entropies in the same read). So a round reads the
     device at most twice, whatever the batch, the tree and the sources (``glance_sgl.host_transfers``).
     """
-    if not planner.speculates:
-        return plain_round(batch, planner, target, device_resident=device_resident, on_walk=on_walk)
-    t0 = time.perf_counter()
     # sources with a model pass (the drafter) and without (n-gram matches); every one of them is fed each round
     with_pass = [s for s in sources if s.source_id == SOURCE_DRAFTER]
     without_pass = [s for s in sources if s.source_id != SOURCE_DRAFTER]
-    drafters = with_pass if planner.speculates else []
-    cheap = without_pass if planner.speculates else []
+    # nothing can propose: a planner that never speculates, or the drafter alone for requests that never draft again
+    if not planner.speculates or (not without_pass and all(planner.retired(r) for r in batch.rids)):
+        return plain_round(batch, planner, target, device_resident=device_resident, on_walk=on_walk)
+    t0 = time.perf_counter()
+    drafters, cheap = with_pass, without_pass
     rows = planner.max_nodes + 1
 
     def ended(tree: DraftTree) -> DraftTree:  # no rows past a request's end (a stop token, its token limit)
@@ -496,7 +498,8 @@ def speculative_round(batch: RoundBatch, planner: RoundPolicy, sources: Sequence
 
 def plain_round(batch: RoundBatch, planner: RoundPolicy, target: TargetRows, *, device_resident: bool = False,
                 on_walk: Callable[[WalkResult], None] | None = None) -> RoundResult:
-    """The round of a planner that never speculates (mode "off"): a plain AR step, the cost of "never hurts".
+    """The round of a planner that never speculates (mode "off"), or of a batch whose requests all never draft again
+    with the drafter as their only source: a plain AR step, the cost of "never hurts".
     Nothing is planned, captured, fed or observed, and the outcome is not read back (it commits each root's one
     choice, the bonus: the engine reads that itself). Its report says so: every request accepted no drafts."""
     t0 = time.perf_counter()

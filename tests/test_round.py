@@ -43,20 +43,25 @@ def test_round_reports_once_keeps_the_committed_prefix_and_matches_ar(engines):
     rows_pass = CachePass(target, state, taps)
     committed = [int(rows.logits[-1].argmax())]
     planner.begin("r", entropy_nats(rows.logits[-1]))
-    rounds, drafted = 0, 0
+    rounds, drafted, plain = 0, 0, 0
     while len(committed) < len(ar):
         batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
+        retired = planner.retired("r")  # the random policy retires requests now and then
         t0 = time.perf_counter()
         r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
         wall_ms = 1000.0 * (time.perf_counter() - t0)
         rounds += 1
         drafted += r.drafted
-        # every part of the round timed, in order, adding up to no more than the round's wall time
-        assert list(r.phases) == list(PHASES) and all(ms >= 0 for ms in r.phases.values())
-        assert sum(r.phases.values()) <= wall_ms
         committed += r.walk.committed()[0]
         # the cache holds the prompt and every committed token but the newest (the next round's root)
         assert state.length == prompt.num_tokens + len(committed) - 1
+        if retired:  # plain steps from then on, nothing planned or reported
+            assert r.tree.num_rows == 1 and list(r.phases) == ["tree", "pass", "walk", "report"]
+            plain += 1
+            continue
+        # every part of the round timed, in order, adding up to no more than the round's wall time
+        assert list(r.phases) == list(PHASES) and all(ms >= 0 for ms in r.phases.values())
+        assert sum(r.phases.values()) <= wall_ms
         rep = planner.reports[-1]
         assert rep is r.report and rep.rows == r.tree.num_rows and rep.accepted == r.walk.accept_lens.tolist()
         assert (rep.tree is not None) == r.drafted
@@ -66,7 +71,7 @@ def test_round_reports_once_keeps_the_committed_prefix_and_matches_ar(engines):
         # committed tokens wait in the drafter's stash until its next pass (which flushed the earlier ones)
         assert source.stash and (not r.drafted or len(source.stash) == 1)
     assert committed[: len(ar)] == ar
-    assert len(planner.reports) == rounds and 0 < drafted < rounds
+    assert len(planner.reports) == rounds - plain and 0 < drafted < rounds
     # calibration passes through the same adapters leave the cache and the drafter's context as they were
     length, context = state.length, int(source.cache.lengths[0])
     batch = RoundBatch(["cal"], torch.tensor([committed[-1]]), torch.tensor([0]), [SamplingSpec()])
@@ -355,3 +360,29 @@ def test_no_candidate_past_a_requests_end_and_an_ar_step_at_its_last_token(engin
             committed += r.walk.committed()[0]
         assert committed[:end] == ar[:end]
     assert last_steps > 0
+
+
+def test_a_batch_of_retired_requests_with_the_drafter_alone_takes_a_plain_step(engines):
+    """Where every request of a round never drafts again and the drafter is the only source, the round is a plain
+    AR step (``plain_round``: no gate, plan, drafter context or report), committing the AR path's tokens; a round
+    with an n-gram source still looks its matches up."""
+    engine = engines["qwen2_5_vl"]
+    target, taps = engine.target, engine.drafter.config.tap_layers
+    messages = make_prompts(1, seed=37)[0]
+    ar = engine.generate(messages, SamplingParams(max_tokens=10), mode="ar").token_ids
+    planner = Planner(engine.cost_model(), max_nodes=engine.budget, max_depth=engine.block_size - 1)
+    state, rows = target.prefill(target.prepare(messages), taps=taps)
+    source = _CountingSource(CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k))
+    rows_pass = _TapsRecordingPass(target, state, taps)
+    committed = [int(rows.logits[-1].argmax())]
+    planner.begin("r", entropy_nats(rows.logits[-1]))
+    planner.state("r").retired = True
+    reported = []
+    planner.report = reported.append  # a plain step reports nothing to the planner
+    while len(committed) < len(ar):
+        batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
+        r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
+        assert r.tree.num_rows == 1 and set(r.phases) == {"tree", "pass", "walk", "report"}
+        committed += r.walk.committed()[0]
+    assert committed[: len(ar)] == ar
+    assert not any(rows_pass.asked) and source.committed == 0 and reported == []
