@@ -132,6 +132,10 @@ def _train(args: argparse.Namespace, data_dir: str, out: str, online: bool, prog
     try:
         drafter = train_drafter(target, data, out, train_config(args), resume=not args.no_resume,
                                 progress=progress)
+        if world > 1:  # every rank done before the group goes: one torn down early aborted its peer (gloo, SIGABRT)
+            import torch.distributed as dist
+
+            dist.barrier()
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
     finally:
