@@ -176,7 +176,8 @@ class _TapsRecordingPass(CachePass):
 
 def test_rounds_of_retired_requests_keep_no_drafter_context(engines):
     """Once the planner retires a request (it never drafts for it again), its rounds capture no tap features and
-    feed the drafter nothing; the output stays the AR path's."""
+    feed the drafter nothing: with the drafter its only source, each is a plain AR step (``plain_round``: no gate,
+    plan or report); the output stays the AR path's."""
     engine = engines["qwen2_5_vl"]
     target, taps = engine.target, engine.drafter.config.tap_layers
     messages = make_prompts(1, seed=31)[0]
@@ -187,17 +188,21 @@ def test_rounds_of_retired_requests_keep_no_drafter_context(engines):
     rows_pass = _TapsRecordingPass(target, state, taps)
     committed = [int(rows.logits[-1].argmax())]
     planner.begin("r", entropy_nats(rows.logits[-1]))
+    reported = []
+    planner.report = lambda report, _own=planner.report: (reported.append(report), _own(report))
     while len(committed) < len(ar):
         if len(rows_pass.asked) == 3:
             planner.state("r").retired = True
-            fed = source.committed
+            fed, reports = source.committed, len(reported)
         batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
         r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
         assert not (r.drafted and planner.state("r").retired)
+        if planner.state("r").retired:
+            assert r.tree.num_rows == 1 and list(r.phases) == ["tree", "pass", "walk", "report"]
         committed += r.walk.committed()[0]
     assert committed[: len(ar)] == ar
     assert rows_pass.asked[:3] == [True] * 3 and not any(rows_pass.asked[3:]) and len(rows_pass.asked) > 3
-    assert source.committed == fed == 3
+    assert source.committed == fed == 3 and len(reported) == reports == 3  # nothing reported once retired
 
 
 class _AsyncTimedPass(CachePass):
@@ -361,28 +366,3 @@ def test_no_candidate_past_a_requests_end_and_an_ar_step_at_its_last_token(engin
         assert committed[:end] == ar[:end]
     assert last_steps > 0
 
-
-def test_a_batch_of_retired_requests_with_the_drafter_alone_takes_a_plain_step(engines):
-    """Where every request of a round never drafts again and the drafter is the only source, the round is a plain
-    AR step (``plain_round``: no gate, plan, drafter context or report), committing the AR path's tokens; a round
-    with an n-gram source still looks its matches up."""
-    engine = engines["qwen2_5_vl"]
-    target, taps = engine.target, engine.drafter.config.tap_layers
-    messages = make_prompts(1, seed=37)[0]
-    ar = engine.generate(messages, SamplingParams(max_tokens=10), mode="ar").token_ids
-    planner = Planner(engine.cost_model(), max_nodes=engine.budget, max_depth=engine.block_size - 1)
-    state, rows = target.prefill(target.prepare(messages), taps=taps)
-    source = _CountingSource(CachedDrafter.start(engine.drafter, rows.taps, engine.branch_k))
-    rows_pass = _TapsRecordingPass(target, state, taps)
-    committed = [int(rows.logits[-1].argmax())]
-    planner.begin("r", entropy_nats(rows.logits[-1]))
-    planner.state("r").retired = True
-    reported = []
-    planner.report = reported.append  # a plain step reports nothing to the planner
-    while len(committed) < len(ar):
-        batch = RoundBatch(["r"], torch.tensor([committed[-1]]), torch.tensor([len(committed)]), [SamplingSpec()])
-        r = speculative_round(batch, planner, [source], rows_pass, max_depth=engine.block_size - 1)
-        assert r.tree.num_rows == 1 and set(r.phases) == {"tree", "pass", "walk", "report"}
-        committed += r.walk.committed()[0]
-    assert committed[: len(ar)] == ar
-    assert not any(rows_pass.asked) and source.committed == 0 and reported == []
