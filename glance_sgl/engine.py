@@ -588,9 +588,6 @@ class GlanceEngine:
                 self.ngram.source.commit(rid, [first])
                 request.history = prompt.input_ids[0].tolist() + [first]
                 request.sources = ([request.drafter] if "drafter" in sources else []) + [self.ngram]
-        # a request the planner retired (it never drafts again) whose only source is the drafter: the rest of its
-        # answer is plain decoding, on the AR path (no gate, walk or report a step: ~0.2 ms of a 3.5 ms step here)
-        plain = request is not None and request.sources is None and request.policy.retired(rid)
         k = params.logprobs
         out.add([first], token_logprobs(rows.logits[-1:], [first], k) if k is not None else None)
         metrics.prefill_ms = prepare_ms + (time.perf_counter() - t0) * 1000.0
@@ -601,14 +598,12 @@ class GlanceEngine:
                 if should_stop is not None and should_stop():
                     out.finish_reason = "cancelled"
                     break
-                if request is None or plain:
+                if request is None:
                     token, ar_rows = self._ar_pass(state, out.token_ids, spec, rules)
                     new_tokens = [token]
                     kept = out.add(new_tokens, token_logprobs(ar_rows.logits, new_tokens, k) if k is not None
                                    else None)
-                    # a retired request's step is the planner's round without a tree: one token, as it expected
-                    metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None,
-                                         predicted=1.0 if plain else None)
+                    metrics.record_round(drafted=0, accepted=0, committed=kept, root_entropy=None)
                 else:
                     new_tokens, rec = self.speculative_round(request, out.token_ids, spec, logprobs=k is not None,
                                                              room=params.max_tokens - len(out.token_ids))
@@ -621,7 +616,6 @@ class GlanceEngine:
                                          drafter_ran=rec.drafter_ran, parts=rec.parts)
                     if rec.sources is not None:
                         metrics.record_sources(rec.sources)
-                    plain = request.sources is None and request.policy.retired(request.rid)
                 yield out, new_tokens[:kept]
         finally:
             if request is not None:

@@ -411,8 +411,8 @@ class Planner:
 
     def retired(self, rid: object) -> bool:
         """Whether request ``rid`` never drafts again (retired at birth, after a failed probe while the drafter
-        idles, or carried by its matches; mode "off" never drafts): where the drafter is its only source, the rest
-        of its answer is plain decoding (the embedded engine runs it on its AR path)."""
+        idles, or carried by its matches; mode "off" never drafts): where the drafter is its only source, its
+        rounds are plain steps (``round.plain_round``)."""
         return self.mode == "off" or self.state(rid).retired
 
     def context_mask(self, rids: Sequence[object]) -> list[bool]:

@@ -183,10 +183,10 @@ def test_freeze_gc_takes_the_start_up_objects_out_of_full_collections(engine, me
 
 @pytest.mark.parametrize("when", ["at birth", "after its first round"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_a_retired_request_decodes_on_the_ar_path(engine, messages, monkeypatch, when, temperature):
+def test_a_retired_request_takes_plain_steps(engine, messages, monkeypatch, when, temperature):
     """A request the planner retires (it never drafts again) whose only source is the drafter decodes the rest
-    of its answer on the AR path, one step a token without the round's gate, walk or report: the AR answer (greedy
-    and seeded), each step still counted as a round without drafting."""
+    of its answer in plain steps (``round.plain_round``: one token a step, no gate, plan or drafter): the AR answer
+    (greedy and seeded), each step counted as a round without drafting."""
     from glance_sgl.planner import Planner
 
     params = SamplingParams(max_tokens=12, temperature=temperature, seed=7)
@@ -205,6 +205,7 @@ def test_a_retired_request_decodes_on_the_ar_path(engine, messages, monkeypatch,
     assert m.rounds == len(ar) - 1 - sum(a for a in m.accept_lengths) and m.drafter_passes <= 1
     reported = 0 if when == "at birth" else 1
     assert m.rounds - reported == sum(1 for c in m.committed_per_round[reported:] if c == 1)  # one token a step
-    assert (m.round_part_ms.get("report", 0.0) > 0) == (when != "at birth")
-    assert m.to_dict()["predicted_tokens_per_round"] >= 1.0  # each AR step the planner's: one token expected
+    # a plain step has no gate or drafter part: only the full round before the retirement has them
+    assert ({"gate", "draft"} & set(m.round_part_ms)) == (set() if when == "at birth" else {"gate", "draft"})
+    assert m.to_dict()["predicted_tokens_per_round"] >= 1.0  # each plain step the planner's: one token expected
     assert planner.known() == set()  # forgotten at its end, whichever path it ended on
