@@ -312,6 +312,19 @@ def test_bench_single_planner(engines):
         run_bench(engines["qwen2_5_vl"], limit=1, planners=("greedy",))
 
 
+def test_sampled_bench_is_lossless_against_ar_of_the_same_seeds(engines):
+    """``--temperature``: every method samples with the prompt's seed and must commit AR's tokens; no HF peers
+    (they decode greedily)."""
+    from glance_sgl.demo.bench import ngram_available, run_bench
+
+    report = run_bench(engines["qwen2_5_vl"], limit=2, max_tokens=8, tasks=("caption",), progress=False,
+                       planners=("auto",), temperature=0.9)
+    sources = ["ngram", "merged"] if ngram_available() else []
+    assert report["temperature"] == 0.9 and report["methods"] == ["ar", "auto", "chain", *sources]
+    for method, m in report["tasks"]["caption"]["methods"].items():
+        assert m["lossless_match_rate"] == 1.0, method
+
+
 def test_sweep_compares_tree_configs_with_the_chain(engines):
     from glance_sgl.demo.bench import format_sweep, run_sweep
 

@@ -24,6 +24,7 @@ each request's last round, whose accepted length the end of the answer cuts shor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -282,8 +283,11 @@ def _hf_decode(target, messages, max_tokens: int, **kwargs) -> tuple[list[int], 
 
 def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks: tuple[str, ...] = BENCH_TASKS,
               progress: bool = True, peers: bool = True, planners: Sequence[str] = PLANNERS,
-              sources: bool | None = None) -> dict[str, Any]:
+              sources: bool | None = None, temperature: float = 0.0) -> dict[str, Any]:
     """Every method on the first ``limit`` prompts of every task, back to back (module docstring).
+
+    ``temperature`` > 0: every method samples, the ``i``-th prompt of the run seeded ``i`` (lossless sampling: each
+    must commit AR's tokens); the Hugging Face peers are greedy and do not run then.
 
     ``planners``: the GLANCE methods to run (``("auto", "fixed")`` or one of them). The report's headline
     method (``glance_method``, the flat per-task keys and ``geomean_decode_speedup``) is ``auto`` when it runs.
@@ -301,8 +305,9 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
     def run(method: str, messages):
         return _run_method(engine, messages, params, method, others, headline)
 
+    peers = peers and temperature == 0.0
     all_methods = methods + (PEERS if peers else ())
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
     target = engine.target
     warm = bench_examples(tasks[0], 1)[0].messages()
     for method in methods:
@@ -314,6 +319,8 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
         bar.set_postfix_str(task, refresh=False)
         res = results.setdefault(task, TaskResult(task, all_methods))
         messages = ex.messages()
+        if temperature:
+            params = dataclasses.replace(params, seed=i)
         # the engine's methods run back to back in an order that rotates from prompt to prompt, so no method
         # always runs first (or right after another) on a machine whose speed drifts
         k = i % len(methods)
@@ -346,6 +353,7 @@ def run_bench(engine: GlanceEngine, limit: int = 10, max_tokens: int = 96, tasks
         "max_nodes": getattr(engine, "max_nodes", None),
         "block_size": engine.block_size,
         "max_tokens": max_tokens,
+        "temperature": temperature,
         "limit": limit,
         "law_method": "fixed" if "fixed" in methods else headline,
         "source_methods": {m: list(SOURCE_METHODS[m]) for m in methods if m in SOURCE_METHODS},

@@ -38,6 +38,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     planners = (args.planner,) if args.planner else PLANNERS
     if args.limit < 1:
         raise CLIError("--limit must be >= 1")
+    if not 0.0 <= args.temperature <= 2.0:
+        raise CLIError(f"--temperature must be in [0, 2], got {args.temperature}")
     sweep = None
     if args.sweep:
         try:
@@ -56,8 +58,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             save_json(result, args.json)
             print(f"wrote {args.json}")
         return 0
-    report = run_bench(engine, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks, peers=not args.no_peers,
-                       planners=planners)
+    report = run_bench(engine, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks,
+                       peers=not args.no_peers and args.temperature == 0.0, planners=planners,
+                       temperature=args.temperature)
     print(format_table(report))
     if args.json:
         save_json(report, args.json)
@@ -87,6 +90,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--planner", choices=["auto", "fixed"], default=None,
                        help="run only this GLANCE planner (default: both, auto and the fixed tree)")
     bench.add_argument("--max-tokens", type=int, default=96)
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="sample at this temperature (prompt i seeded i, every method alike: each must give "
+                            "AR's tokens); default 0, greedy. The HF peers run greedy only (skipped at T > 0)")
     bench.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
     bench.add_argument("--branch-k", type=int, default=None)
     bench.add_argument("--model", help="target directory (default: bundled demo)")

@@ -133,6 +133,11 @@ DFLASH_CPU_REASON = ("SGLang's DFLASH does not run on a CPU: sglang/srt/arg_grou
                      "(_handle_dflash) accepts only device cuda*, npu or xpu on an in-tree platform and raises "
                      "ValueError(\"DFLASH speculative decoding is not supported by SRTPlatform on device 'cpu'.\"); "
                      "run it with --device cuda")
+NGRAM_SAMPLING_CPU_REASON = (
+    "SGLang's NGRAM cannot sample on a CPU: at T > 0 its verify (sglang/srt/speculative/eagle_utils.py, eagle_sample) "
+    "calls tree_speculative_sampling_target_only, which sglang/kernels/ops/speculative/verify_sampling.py sets to "
+    "None off CUDA and MUSA (the scheduler dies with TypeError: 'NoneType' object is not callable); run it greedy "
+    "or with --device cuda")
 
 
 def drafter_block_size(drafter: Path) -> int:
@@ -226,10 +231,13 @@ def engine_env(method: str, step_stats: bool = False, count_host_reads: bool = F
     return env
 
 
-def method_unavailable(method: str, device: str) -> str | None:
-    """Why ``method`` cannot run on ``device`` at all (None: try it)."""
-    if method_parts(method)[0] == "dflash" and device == "cpu":
+def method_unavailable(method: str, device: str, temperature: float = 0.0) -> str | None:
+    """Why ``method`` cannot run on ``device`` (at ``temperature``) at all (None: try it)."""
+    name = method_parts(method)[0]
+    if name == "dflash" and device == "cpu":
         return DFLASH_CPU_REASON
+    if name == "ngram" and device == "cpu" and temperature > 0.0:
+        return NGRAM_SAMPLING_CPU_REASON
     return None
 
 
@@ -597,7 +605,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             ratio = s["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
             dec = s.get("decode_tokens_per_s")
             dratio = dec / b["decode_tokens_per_s"] if b and dec and b.get("decode_tokens_per_s") else float("nan")
-            same = f"{sum(x == y for x, y in zip(s['outputs'], b['outputs']))}/{len(s['outputs'])}" if b else "-"
+            same = "/".join(map(str, s["identical"])) if s.get("identical") else "-"
             lines.append(f"{name:<11} {r['method']:<13} {s['tokens_per_s']:>12.1f} {ratio:>7.2f}x "
                          f"{dec if dec else float('nan'):>12.1f} {dratio:>7.2f}x {s['tau']:>6.2f} {same:>10}")
     spread = run_spread(ok)
@@ -641,8 +649,38 @@ def _levels(text: str, flag: str, p: argparse.ArgumentParser) -> list[int]:
     return levels
 
 
+def sampled(requests: list[dict[str, Any]], temperature: float) -> list[dict[str, Any]]:
+    """``requests`` at ``temperature``, request ``i`` seeded ``i`` (every method gets the same seeds)."""
+    return [{**r, "temperature": temperature, "seed": i} for i, r in enumerate(requests)]
+
+
+def identity_base(method: str, temperature: float) -> str | None:
+    """The method whose outputs ``method``'s must equal token for token: no speculation's when greedy; at T > 0
+    GLANCE's own path with drafting off (``glance-off``, at the method's commit: the same seeded sampling, which
+    SGLang's sampler does not share), for the GLANCE methods only (NGRAM's and DFLASH's sampling keeps the distribution, not the tokens)."""
+    if temperature == 0.0:
+        return None if method == "none" else "none"
+    name, rev = method_parts(method)[0], method_commit(method)
+    if not name.startswith("glance") or name == "glance-off":
+        return None
+    return "glance-off" if rev is None else f"glance-off#{rev}"  # a commit's outputs against its own
+
+
+def mark_identical(rows: list[dict[str, Any]], temperature: float) -> None:
+    """Each scenario's ``identical`` [equal outputs, outputs] against its method's :func:`identity_base` (kept in
+    the JSON, which drops the outputs); absent where there is none to compare with."""
+    by_method = {r["method"]: r for r in rows if not r.get("error")}
+    for r in rows:
+        base = by_method.get(identity_base(r["method"], temperature) or "")
+        for name, s in r["scenarios"].items():
+            b = base["scenarios"].get(name) if base else None
+            if b is not None:
+                s["identical"] = [sum(x == y for x, y in zip(s["outputs"], b["outputs"])), len(s["outputs"])]
+
+
 def _report(args: argparse.Namespace, rows: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
     return {"device": args.device, "prompts": args.prompts, "wild": args.wild, "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
             "repeat": args.repeat, "engine_runs": args.engine_runs,
             "model": str(args.model), "drafter": str(args.drafter), "overlap": args.overlap, **extra,
             "methods": [{**r, "scenarios": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"}
@@ -699,6 +737,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", type=Path, default=bundled_drafter(), help="GLANCE drafter checkpoint")
     p.add_argument("--prompts", type=int, default=32, help="demo evaluation prompts (round-robin over tasks)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature, request i seeded i (default 0: greedy); GLANCE's outputs are "
+                        "then checked against glance-off's (the same seeded sampling), where it runs")
     p.add_argument("--methods", default="none,ngram,glance,glance-drafter,glance-ngram",
                    help=f"comma-separated subset of {','.join(METHODS)}, each optionally with @overlap or @sync, "
                         "and #REV: that method at commit REV of this checkout (before / after in one run)")
@@ -741,6 +782,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--methods: a method is named twice")
     if args.prompts < 1 or args.max_tokens < 1 or args.wild < 0:
         p.error("--prompts and --max-tokens must be >= 1, --wild >= 0")
+    if not 0.0 <= args.temperature <= 2.0:
+        p.error(f"--temperature must be in [0, 2], got {args.temperature}")
     if not 1 <= args.repeat <= 100:
         p.error(f"--repeat must be in [1, 100], got {args.repeat}")
     if not 1 <= args.engine_runs <= 10:
@@ -764,10 +807,14 @@ def main(argv: list[str] | None = None) -> int:
         for line in extra["dflash_preflight"]:
             print(f"[bench] dflash preflight: {line}", file=sys.stderr, flush=True)
     demo, _ = demo_requests(args.model, args.prompts, args.max_tokens)
+    if args.temperature:
+        demo = sampled(demo, args.temperature)
     scenarios: dict[str, tuple[list[dict[str, Any]], int]] = {
         f"demo c={c}": (demo, c) for c in _levels(args.concurrency, "--concurrency", p)}
     if args.wild:
         wild = wild_requests(args.model, args.wild, args.max_tokens)
+        if args.temperature:
+            wild = sampled(wild, args.temperature)
         scenarios.update({f"wild c={c}": (wild, c) for c in _levels(args.wild_concurrency, "--wild-concurrency", p)})
     warm = warm_up_requests(args.model, scenarios, args.prompts, args.max_tokens)
     repeats = replay_repeats(scenarios, args.repeat)
@@ -782,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
                 code_roots[m] = exported[rev] if rev in exported else exported.setdefault(rev, export_package(rev))
             except ValueError as exc:
                 p.error(str(exc))
-    unavailable = {m: why for m in methods if (why := method_unavailable(m, args.device))}
+    unavailable = {m: why for m in methods if (why := method_unavailable(m, args.device, args.temperature))}
     for m, why in unavailable.items():
         print(f"[bench] {m} FAILED: {why}", file=sys.stderr, flush=True)
     runnable = [m for m in methods if m not in unavailable]
@@ -808,12 +855,7 @@ def main(argv: list[str] | None = None) -> int:
             _log_stats(args, r, stats)
             write(ordered())
     rows = ordered()
-    base = next((r for r in rows if r["method"] == "none" and not r.get("error")), None)
-    for r in rows:  # token-identical to no speculation, per scenario (kept in the JSON, which drops the outputs)
-        for name, s in r["scenarios"].items():
-            b = base["scenarios"].get(name) if base else None
-            if b is not None:
-                s["identical"] = [sum(x == y for x, y in zip(s["outputs"], b["outputs"])), len(s["outputs"])]
+    mark_identical(rows, args.temperature)
     print(format_table(rows))
     write(rows)
     for folder in exported.values():  # the earlier commits' exported packages (their engines have ended)

@@ -144,11 +144,35 @@ def test_the_spread_table_gives_each_engine_run_s_ratio_over_ngram_beside_the_po
     assert "each engine run" in table and "1.10-1.30" in table
 
 
+def test_outputs_are_compared_with_the_method_that_shares_their_sampling():
+    """Greedy: every method against no speculation. Sampled (``--temperature``): GLANCE's methods against
+    ``glance-off`` (the same seeded sampling), the others against nothing; a missing base leaves no count."""
+    assert bench.identity_base("ngram", 0.0) == "none" and bench.identity_base("none", 0.0) is None
+    assert bench.identity_base("glance@sync", 0.7) == "glance-off"
+    assert bench.identity_base("glance-ngram#abc123", 0.7) == "glance-off#abc123"
+    assert bench.identity_base("ngram", 0.7) is None and bench.identity_base("glance-off", 0.7) is None
+
+    def row(method, outputs):
+        return {"method": method, "scenarios": {"demo c=1": {"tokens_per_s": 1.0, "tau": 1.0, "outputs": outputs}}}
+
+    rows = [row("none", [[1], [2]]), row("ngram", [[1], [3]]), row("glance", [[1], [2]]), row("glance-off", [[1], [9]])]
+    bench.mark_identical(rows, 0.0)
+    assert [r["scenarios"]["demo c=1"].get("identical") for r in rows] == [None, [1, 2], [2, 2], [1, 2]]
+    rows = [row("none", [[1], [2]]), row("ngram", [[1], [3]]), row("glance", [[1], [2]]), row("glance-off", [[1], [9]])]
+    bench.mark_identical(rows, 0.7)
+    assert [r["scenarios"]["demo c=1"].get("identical") for r in rows] == [None, None, [1, 2], None]
+    assert bench.sampled([{"text": "a"}, {"text": "b"}], 0.7) == [{"text": "a", "temperature": 0.7, "seed": 0},
+                                                                 {"text": "b", "temperature": 0.7, "seed": 1}]
+
+
 def test_dflash_on_cpu_fails_with_the_reason_not_a_crash():
     why = bench.method_unavailable("dflash", "cpu")
     assert "speculative_hook.py" in why and "_handle_dflash" in why and "--device cuda" in why
     assert bench.method_unavailable("dflash", "cuda") is None
     assert bench.method_unavailable("glance", "cpu") is None
+    assert "tree_speculative_sampling_target_only" in bench.method_unavailable("ngram@sync", "cpu", 0.7)
+    assert bench.method_unavailable("ngram", "cpu") is None and bench.method_unavailable("ngram", "cuda", 0.7) is None
+    assert bench.method_unavailable("glance-ngram", "cpu", 0.7) is None
     row = bench.failed_row("dflash", why)
     assert row == {"method": "dflash", "error": why, "scenarios": {}}
     assert "dflash: FAILED: SGLang's DFLASH does not run on a CPU" in bench.format_table([row])
