@@ -6,11 +6,13 @@ equals the current row's choice; when no child does, that choice is the bonus to
 therefore the target's own choice given the committed prefix, so the output is exactly autoregressive greedy
 decoding at T = 0 and follows the target's distribution at T > 0 (lossless).
 
-Sampling uses Gumbel-max with noise keyed by (seed, output index): the token at output index i is
-``argmax(logprobs + g_i)`` whichever tree row computes it, so a seeded request gives the same tokens with
-speculation and without, and the noise for index i is independent of everything that fixed the prefix. The noise
-is a counter-based hash of (seed, output index, vocab id) in integer tensor ops, so it is computed on the device
-holding the logits; with the walk's tensor path (``device_walk``) a verify step needs no device-to-host copy.
+Sampling inverts the target's distribution at one uniform keyed by (seed, output index): the token at output
+index i is the first token whose cumulative probability exceeds ``u_i``'s share of the row's mass, whichever tree
+row computes it, so a seeded request gives the same tokens with speculation and without, and ``u_i`` is
+independent of everything that fixed the prefix. ``u_i`` is a counter-based hash of (seed, output index) in integer
+tensor ops, so it is computed on the device holding the logits; with the walk's tensor path (``device_walk``) a
+verify step needs no device-to-host copy. One uniform per row, not one per vocabulary entry (Gumbel-max): a row costs
+a softmax, a cumulative sum and a binary search, about a tenth of per-token noise over a 152k vocabulary.
 """
 
 from __future__ import annotations
@@ -50,55 +52,39 @@ def _seed_keys(seeds):
 
 
 @functools.lru_cache(maxsize=8)
-def _vocab_hashes(vocab: int, device: torch.device) -> torch.Tensor:
-    """lowbias32 of every vocab id, [V] int64 (reused: it depends on V and the device alone)."""
-    return _mix32(torch.arange(vocab, dtype=torch.long, device=device))
-
-
-def _keyed_uniforms(keys: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
+def _keyed_uniforms(keys: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``counter_uniforms`` from the requests' keys [B] (``_seed_keys``) on ``indices.device``."""
-    row = _mix32(keys.to(indices.device)[:, None] ^ (indices & _MASK32))  # [B, R]
-    h = _mix32(_vocab_hashes(vocab, indices.device) ^ row[..., None])  # [B, R, V]
-    return h.double().add_(0.5).mul_(_TWO_M32)
+    return _mix32(keys.to(indices.device)[:, None] ^ (indices & _MASK32)).double().add_(0.5).mul_(_TWO_M32)
 
 
 def seed_tensor(seeds: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Python seeds (any int) -> [B] int64, each wrapped to 64 bits (the noise reads all 64)."""
+    """Python seeds (any int) -> [B] int64, each wrapped to 64 bits (the uniforms read all 64)."""
     return torch.tensor([(int(s) + (1 << 63)) % (1 << 64) - (1 << 63) for s in seeds], dtype=torch.long,
                         device=device)
 
 
-def counter_uniforms(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniforms in (0, 1) [B, R, V] float64 for output indices ``indices`` [B, R] int64 (below 2**32) of requests
+def counter_uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) [B, R] float64 for output indices ``indices`` [B, R] int64 (below 2**32) of requests
     seeded ``seeds`` [B] int64.
 
-    Counter-based: element (b, r, v) is a function of (seeds[b], indices[b, r], v) alone, in int64 tensor ops on
+    Counter-based: element (b, r) is a function of (seeds[b], indices[b, r]) alone, in int64 tensor ops on
     ``indices.device`` (no generator, no host copy; every product below 2**63, so the same bits on every device). A
-    request's 32-bit key (two lowbias32 rounds over the seed's two words) is xor-ed with the index and mixed (for one
-    seed, distinct indices get distinct row keys), then xor-ed with lowbias32(v) and mixed once more (a bijection of
-    v); the 32-bit hash h gives u = (h + 1/2) / 2**32, exact in float64.
+    request's 32-bit key (two lowbias32 rounds over the seed's two words) is xor-ed with the index and mixed once more
+    (for one seed, distinct indices get distinct values); the 32-bit hash h gives u = (h + 1/2) / 2**32, exact in
+    float64.
     """
-    return _keyed_uniforms(_seed_keys(seeds.to(device=indices.device, dtype=torch.long)), indices.long(), vocab)
+    return _keyed_uniforms(_seed_keys(seeds.to(device=indices.device, dtype=torch.long)), indices.long())
 
 
-def batched_gumbel_noise(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise [B, R, V] float32 for output indices ``indices`` [B, R] (int64) of requests seeded
-    ``seeds`` [B] (int64), on ``indices.device``: g = -log(-log(u)) of ``counter_uniforms`` in float64, rounded to
-    float32. The uniforms are bit-identical on CPU and CUDA; their float64 logs may differ in the last bit, which
-    survives the float32 rounding only next to a float32 rounding boundary (then by one float32 ulp).
-    """
-    return _gumbel(counter_uniforms(seeds, indices, vocab))
-
-
-def _gumbel(u: torch.Tensor) -> torch.Tensor:
-    """-log(-log(u)) in place in float64, then float32."""
-    return u.log_().neg_().log_().neg_().float()
-
-
-def gumbel_noise(seed: int, index: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Standard Gumbel noise [V] float32 for output index ``index`` of a request seeded with ``seed``
-    (``batched_gumbel_noise`` for one row)."""
-    return batched_gumbel_noise(seed_tensor([seed], device), torch.tensor([[int(index)]], device=device), vocab)[0, 0]
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One sample per row of ``probs`` [..., V] (non-negative, any total > 0; zero: never drawn) at the uniforms
+    ``u`` [...] in (0, 1): the first token whose cumulative mass exceeds ``u`` times the row's total. [...] long.
+    The cumulative sum is float32 (accumulated in float64 on a CPU); the draw is kept below the total, so a token
+    of zero mass is never the answer."""
+    cdf = probs.cumsum(-1)
+    total = cdf[..., -1:]
+    target = torch.minimum(u.to(cdf.dtype)[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 def process_logprobs(
@@ -178,7 +164,7 @@ class LogitRules:
 class SamplingSpec:
     """How a request picks tokens. ``temperature == 0`` is greedy (seed and the filters unused); at T > 0 the
     target's tempered distribution, filtered by ``top_k`` (0: off), ``top_p`` and ``min_p`` (0: off) as
-    :func:`process_logprobs` does, sampled with noise keyed by ``seed``."""
+    :func:`process_logprobs` does, sampled at uniforms keyed by ``seed`` (:func:`inverse_cdf`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -221,12 +207,16 @@ def target_choices(
         values = [getattr(s, name) for s in picked]
         return off if all(v == off for v in values) else torch.tensor(values, dtype=dtype, device=dev)[:, None, None]
 
-    logp = process_logprobs(rows(logits), temperature, per_request("top_p", 1.0, torch.float32),
-                            per_request("top_k", 0, torch.long), per_request("min_p", 0.0, torch.float32))  # [S, R, V]
+    filters = per_request("top_p", 1.0, torch.float32), per_request("top_k", 0, torch.long), \
+        per_request("min_p", 0.0, torch.float32)
+    if not any(isinstance(f, torch.Tensor) for f in filters):  # no filter: the tempered softmax, unnormalised (the draw scales by each row's mass)
+        probs = rows(logits).float() / temperature
+        probs = probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()  # [S, R, V]
+    else:
+        probs = process_logprobs(rows(logits), temperature, *filters).exp_()
     index = rows(depths).long() + rows(next_index).long()[:, None]
     keys = torch.tensor([_seed_keys(int(s.seed)) for s in picked], dtype=torch.long, device=dev)  # on the host
-    logp += _gumbel(_keyed_uniforms(keys, index, logp.shape[-1]))
-    sample = logp.argmax(dim=-1)
+    sample = inverse_cdf(probs, _keyed_uniforms(keys, index))
     return sample if subset is None else choices.index_copy_(0, subset, sample)
 
 

@@ -1,5 +1,5 @@
 """Verification: the host and tensor walks against a brute-force reference and each other; lossless sampling is
-unbiased; the counter-based Gumbel noise; the device path makes no host transfer."""
+unbiased; the counter-based uniforms and the inverse CDF; the device path makes no host transfer."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from glance_sgl.tree import build_tree, topk_per_offset
 from glance_sgl.verify import (
     SamplingSpec,
     WalkResult,
-    batched_gumbel_noise,
     counter_uniforms,
     device_walk,
     greedy_walk,
-    gumbel_noise,
+    inverse_cdf,
     process_logprobs,
     seed_tensor,
     target_choices,
@@ -377,83 +376,82 @@ def test_choices_follow_the_processed_distribution():
     assert (counts / n - p).abs().max() < 0.015
 
 
-# ------------------------------------------------------------------ counter-based Gumbel noise
+# ------------------------------------------------------------------ counter-based uniforms, inverse CDF
 
 
-def test_gumbel_noise_is_the_batched_noise():
+def test_uniforms_are_keyed_by_seed_and_index_alone():
     seeds = [0, 7, -1, (1 << 70) + 3]
     indices = [[0, 1, 2], [5, 5, 10**6], [3, 2, 1], [17, 0, (1 << 32) - 1]]
-    batched = batched_gumbel_noise(seed_tensor(seeds), torch.tensor(indices), 300)
-    assert batched.shape == (4, 3, 300) and batched.dtype == torch.float32
+    u = counter_uniforms(seed_tensor(seeds), torch.tensor(indices))
+    assert u.shape == (4, 3) and u.dtype == torch.float64
     for b, s in enumerate(seeds):
         for r, i in enumerate(indices[b]):
-            assert torch.equal(gumbel_noise(s, i, 300), batched[b, r])
-    assert torch.equal(batched[1, 0], batched[1, 1])  # keyed by (seed, index) alone
-    assert torch.equal(gumbel_noise(0, 4, 10), gumbel_noise(0, 4, 300)[:10])  # and vocab id: V only truncates
+            assert torch.equal(counter_uniforms(seed_tensor([s]), torch.tensor([[i]]))[0, 0], u[b, r])
+    assert u[1, 0] == u[1, 1] and u[0, 0] != u[3, 1]  # the same (seed, index): the same uniform
 
 
-def test_choices_add_the_batched_noise():
-    """``target_choices`` (request keys hashed on the host) uses exactly ``batched_gumbel_noise``."""
+def test_choices_invert_the_distribution_at_the_keyed_uniforms():
+    """``target_choices`` (request keys hashed on the host) samples each row at ``counter_uniforms``: the first
+    token whose cumulative probability exceeds the uniform."""
     seeds = [0, -5, (1 << 70) + 3, (1 << 63) - 1]
     specs = [SamplingSpec(0.9, 1.0, s) for s in seeds]
     logits = torch.randn(4, 6, 100, generator=torch.Generator().manual_seed(1))
     depths, next_index = torch.tensor([[0, 1, 1, 2, 3, 3]] * 4), torch.tensor([0, 9, 10**6, 3])
-    noise = batched_gumbel_noise(seed_tensor(seeds), depths + next_index[:, None], 100)
-    want = (process_logprobs(logits, 0.9) + noise).argmax(-1)
+    u = counter_uniforms(seed_tensor(seeds), depths + next_index[:, None])
+    cdf = process_logprobs(logits, 0.9).double().exp().cumsum(-1)
+    want = (cdf < u[..., None] * cdf[..., -1:]).sum(-1)  # tokens whose cumulative mass stays at or under u
     assert torch.equal(target_choices(logits, depths, next_index, specs), want)
 
 
-def test_noise_hash_is_pinned():
+def test_uniform_hash_is_pinned():
     """The hash fixes every seeded output: a change to it must be deliberate (these are its first words)."""
-    u = counter_uniforms(seed_tensor([0, (1 << 70) + 3]), torch.tensor([[0], [17]]), 4)
+    u = counter_uniforms(seed_tensor([0, (1 << 70) + 3]), torch.tensor([[0, 1, 2, 3], [17, 18, 19, 20]]))
     assert (u * 2**32 - 0.5).long().tolist() == PINNED_HASHES
 
 
-PINNED_HASHES = [[[1106484830, 1589185447, 1244000336, 955304702]], [[1021330785, 2938906694, 1316183027, 1789670454]]]
+PINNED_HASHES = [[2488251732, 3002921059, 4258319090, 516850854], [304084951, 2283722730, 3931094426, 1798694801]]
 
 
-def test_uniforms_are_open_unit_and_distinct():
-    seeds, n_index, vocab = [0, 1, 2, 3], 64, 1024
-    u = counter_uniforms(seed_tensor(seeds), torch.arange(n_index).expand(len(seeds), n_index), vocab)
-    assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
-    assert abs(float(u.mean()) - 0.5) < 0.005
-    flat = u.reshape(-1, vocab)
-    # neighbouring (seed, index) pairs: no two rows agree anywhere beyond chance (2**-32 per element)
-    same = (flat[:, None, :] == flat[None, :, :]).sum(-1) - torch.eye(flat.shape[0], dtype=torch.long) * vocab
-    assert int(same.sum()) <= 4
-    assert flat.numel() - flat.unique().numel() < 64  # birthday bound for 2**18 32-bit values: ~8
-    # adjacent indices and adjacent vocab ids are uncorrelated
-    for x, y in ((u[:, 1:], u[:, :-1]), (u[..., 1:], u[..., :-1])):
+def test_uniforms_are_open_unit_distinct_and_uncorrelated():
+    seeds, n_index = list(range(64)), 4096
+    u = counter_uniforms(seed_tensor(seeds), torch.arange(n_index).expand(len(seeds), n_index))
+    assert bool(((u > 0) & (u < 1)).all()) and abs(float(u.mean()) - 0.5) < 0.005
+    assert u.numel() - u.unique().numel() < 64  # birthday bound for 2**18 32-bit values: ~8
+    for x, y in ((u[:, 1:], u[:, :-1]), (u[1:], u[:-1])):  # adjacent indices, adjacent seeds
         assert abs(float(torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1])) < 0.01
 
 
-def test_gumbel_moments():
-    g = batched_gumbel_noise(seed_tensor([9, 10]), torch.arange(200).expand(2, 200), 1000).double()
-    assert abs(float(g.mean()) - 0.5772157) < 0.01 and abs(float(g.var()) - torch.pi**2 / 6) < 0.03
+def test_inverse_cdf_never_draws_a_token_without_mass():
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0]])
+    u = [torch.tensor([x], dtype=torch.float64) for x in (1e-12, 0.29, 0.31, 1.0 - 1e-12)]
+    assert [int(inverse_cdf(probs, x)) for x in u] == [1, 1, 3, 3]
+    assert int(inverse_cdf(torch.tensor([[0.0, 2.0, 0.0]]), torch.tensor([0.999999], dtype=torch.float64))) == 1
 
 
 @pytest.mark.parametrize("over", ["indices", "seeds"])
-def test_gumbel_max_samples_the_softmax(over):
+def test_sampling_follows_the_softmax(over):
     n, vocab = 20_000, 6
-    logp = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -2.0]), -1)
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -2.0])
     if over == "indices":
-        noise = batched_gumbel_noise(seed_tensor([31]), torch.arange(n)[None], vocab)[0]
+        # one request's rows at depths 0 .. n-1: output indices 0 .. n-1
+        choices = target_choices(logits.expand(1, n, vocab), torch.arange(n)[None], torch.zeros(1, dtype=torch.long),
+                                 [SamplingSpec(1.0, 1.0, 31)])[0]
     else:
-        noise = batched_gumbel_noise(seed_tensor(list(range(n))), torch.full((n, 1), 7), vocab)[:, 0]
-    counts = torch.bincount((logp + noise).argmax(-1), minlength=vocab)
-    assert chisquare(counts.numpy(), (logp.exp() * n).numpy()).pvalue > 1e-3
-    assert (counts / n - logp.exp()).abs().max() < 0.015
+        specs = [SamplingSpec(1.0, 1.0, s) for s in range(n)]
+        choices = target_choices(logits.expand(n, 1, vocab), torch.zeros(n, 1, dtype=torch.long),
+                                 torch.full((n,), 7), specs)[:, 0]
+    p = torch.softmax(logits, -1)
+    counts = torch.bincount(choices, minlength=vocab)
+    assert chisquare(counts.numpy(), (p * n).numpy()).pvalue > 1e-3
+    assert (counts / n - p).abs().max() < 0.015
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu():
-    """Uniforms bit for bit, noise to a float32 ulp on rare elements, and the whole device path on CUDA with no
+    """Uniforms bit for bit, and the whole device path on CUDA with no
     counted transfer, equal to the CPU result."""
     seeds, indices = seed_tensor([1, 2, (1 << 62) + 5]), torch.randint(0, 1 << 20, (3, 64))
-    assert torch.equal(counter_uniforms(seeds, indices, 50_000), counter_uniforms(seeds, indices.cuda(), 50_000).cpu())
-    cpu, gpu = batched_gumbel_noise(seeds, indices, 50_000), batched_gumbel_noise(seeds, indices.cuda(), 50_000).cpu()
-    differ = cpu != gpu
-    assert int(differ.sum()) <= 5 and torch.equal(torch.nextafter(cpu, gpu)[differ], gpu[differ])
+    assert torch.equal(counter_uniforms(seeds, indices), counter_uniforms(seeds, indices.cuda()).cpu())
     rng = random.Random(0)
     specs = random_specs(rng, 8)
     tokens, parents, depths, logits, next_index = random_batch(rng, 8, 32, 8, 5000, specs)
