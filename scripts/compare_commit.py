@@ -1,7 +1,7 @@
 """Before/after on this machine in one process: this checkout's engine against an earlier commit's engine.
 
     .venv/bin/python scripts/compare_commit.py --commit 2c6fa6d [--limit 40] [--max-tokens 96] [--json out.json]
-        [--tasks wild,text] [--mix] [--compile-drafter]
+        [--tasks wild,text] [--mix] [--compile-drafter] [--temperature 0.7]
 
 The earlier commit's ``glance_sgl`` is exported with ``git archive`` into a temporary folder and imported under
 another name (``glance_base``), so both engines load the same bundled checkpoints side by side. For every task
@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", action="store_true",
                     help="the tasks' prompts interleaved one by one (mixed traffic) instead of task after task")
     ap.add_argument("--json")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature, the i-th prompt seeded i in both engines (default: greedy)")
     ap.add_argument("--cpu-clock", action="store_true",
                     help="one torch thread, and every timing in CPU time of this process instead of wall time: "
                          "what each method costs, unaffected by other processes on a busy shared machine")
@@ -77,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     merged = GlanceEngine(new.target, new.drafter, budget=new.budget, branch_k=new.branch_k, mode="glance",
                           max_nodes=new.max_nodes, draft_sources=("drafter", "ngram"))
     old = base_engine_mod.GlanceEngine.load(base_dir / "demo/assets/target", base_dir / "demo/assets/drafter")
-    params, old_params = SamplingParams(max_tokens=args.max_tokens), base_engine_mod.SamplingParams(
-        max_tokens=args.max_tokens)
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    params, old_params = SamplingParams(**sampling), base_engine_mod.SamplingParams(**sampling)
     runs = {
         "ar": lambda m: new.generate(m, params, mode="ar"),
         "auto": lambda m: new.generate(m, params, planner="auto"),
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for i, (task, ex) in enumerate(tqdm(jobs, desc="compare", dynamic_ncols=True)):
             messages = ex.messages()
+            if args.temperature:  # both engines' methods draw with this prompt's seed
+                params.seed = old_params.seed = i
             order = names[i % len(names):] + names[: i % len(names)]
             out = {n: runs[n](messages) for n in order}
             count[task] += 1
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 same[task][n] += int(r.token_ids == out["ar"].token_ids)
             same_base[task] += int(out["base_glance"].token_ids == out["base_ar"].token_ids)
     report: dict = {"commit": args.commit, "limit": args.limit, "max_tokens": args.max_tokens,
+                    "temperature": args.temperature,
                     "clock": "process CPU time, 1 thread" if args.cpu_clock else "wall",
                     "drafter_compiled": args.compile_drafter, "tasks": {}}
     shown = ("auto", "fixed", "chain", "merged", "base_glance", "base_chain") + tuple(
