@@ -166,14 +166,20 @@ class DrafterCache:
         self.keys, self.values, self.lengths = keys, values, lengths
 
     @classmethod
-    def empty(cls, cfg: GlanceConfig, batch: int, device, dtype, capacity: int = 256) -> "DrafterCache":
-        shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+    def empty(cls, cfg: GlanceConfig, batch: int, device, dtype, capacity: int = 256,
+              token_major: bool = False) -> "DrafterCache":
+        """Zeros, ``capacity`` tokens per request. ``token_major``: laid out as a cache gathered from a pool of
+        token slots is (``[B, capacity, kv_heads, head_dim]`` seen as ``[B, kv_heads, capacity, head_dim]``, the
+        SGLang worker's draft KV pool), so that a pass compiled on it serves such caches without a recompile."""
         n = cfg.num_hidden_layers
-        return cls(
-            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)],
-            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n)],
-            torch.zeros(batch, dtype=torch.long, device=device),
-        )
+        if token_major:
+            shape = (batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+            make = lambda: torch.zeros(shape, device=device, dtype=dtype).permute(0, 2, 1, 3)  # noqa: E731
+        else:
+            shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+            make = lambda: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
+        return cls([make() for _ in range(n)], [make() for _ in range(n)],
+                   torch.zeros(batch, dtype=torch.long, device=device))
 
     @property
     def capacity(self) -> int:
@@ -252,9 +258,10 @@ class GlanceDrafter(nn.Module):
         """``tap_hidden`` [B, T, L*H] (taps concatenated in config order) -> context features [B, T, H]."""
         return self.hidden_norm(self.fc(tap_hidden))
 
-    def new_cache(self, batch: int, device=None, dtype=None, capacity: int = 256) -> DrafterCache:
+    def new_cache(self, batch: int, device=None, dtype=None, capacity: int = 256,
+                  token_major: bool = False) -> DrafterCache:
         p = self.fc.weight
-        return DrafterCache.empty(self.config, batch, device or p.device, dtype or p.dtype, capacity)
+        return DrafterCache.empty(self.config, batch, device or p.device, dtype or p.dtype, capacity, token_major)
 
     @torch.no_grad()
     def extend_context(self, cache: DrafterCache, tap_hidden: torch.Tensor, counts: torch.Tensor) -> None:
@@ -337,7 +344,7 @@ class GlanceDrafter(nn.Module):
                 self._compiled_block = None
         return self._block_pass(cache, root_tokens, c, padded)
 
-    def compile_block(self, batch_sizes: Iterable[int] = (1,)) -> bool:
+    def compile_block(self, batch_sizes: Iterable[int] = (1,), token_major: bool = False) -> bool:
         """Run :meth:`draft_block` through ``torch.compile`` (inductor, dynamic shapes: one compile serves one
         request, another every larger batch, each at any context length) from now on, where the drafter lives on a
         CPU. There the pass is a few dozen small ops whose dispatch costs about as much as their arithmetic: one
@@ -346,8 +353,11 @@ class GlanceDrafter(nn.Module):
         compiled now, on a small dummy context (4-12 s each on 2 cores; inductor's on-disk cache makes a later
         process's faster), so that no request waits for a compile. On other devices it does nothing (CUDA graphs
         replay the pass there) and returns False. A compile that fails leaves the pass eager, with a warning, and
-        returns False. The drafts may differ from the eager pass's in the last float bits; the target's
-        verification decides every committed token, so outputs do not change."""
+        returns False. ``token_major``: the caches the pass will read are laid out token-major
+        (:meth:`DrafterCache.empty`: the SGLang worker's gathered context); the compiler guards on the layout, so a
+        pass compiled on the other one would be compiled again, seconds each, on the first drafting steps. The
+        drafts may differ from the eager pass's in the last float bits; the target's verification decides every
+        committed token, so outputs do not change."""
         if self.fc.weight.device.type != "cpu":
             return False
         if self._compiled_block is None:
@@ -358,7 +368,7 @@ class GlanceDrafter(nn.Module):
             cpp.setLevel(logging.ERROR)
             try:
                 for bs in sorted(set(batch_sizes)):
-                    cache = self.new_cache(bs, capacity=37)  # odd sizes: nothing for the compiler to specialise on
+                    cache = self.new_cache(bs, capacity=37, token_major=token_major)  # odd sizes: nothing for the compiler to specialise on
                     cache.lengths[:] = torch.tensor([29, 17, 23][:bs] + [11] * max(bs - 3, 0))
                     self.draft_block(cache, torch.zeros(bs, dtype=torch.long, device=self.fc.weight.device))
             finally:

@@ -56,14 +56,15 @@ def random_drafter(target: TargetAdapter, seed: int = 0, **overrides) -> GlanceD
     return GlanceDrafter.for_target(target.text_config, mask_id, seed=seed, **overrides)
 
 
-def tiny_bound_drafter(block_size: int = 5, branch_k: int = 2, seed: int = 0) -> GlanceDrafter:
-    """A 2-layer drafter (hidden 32, vocabulary 40, taps [1, 2] of a 4-layer target) bound to a random embedding
-    and LM head of its own: for tests of the pool, the planner and the static drafter pass without a target."""
+def tiny_bound_drafter(block_size: int = 5, branch_k: int = 2, seed: int = 0, kv_heads: int = 1) -> GlanceDrafter:
+    """A 2-layer drafter (hidden 32, vocabulary 40, taps [1, 2] of a 4-layer target, ``kv_heads`` K/V heads) bound
+    to a random embedding and LM head of its own: for tests of the pool, the planner and the static drafter pass
+    without a target."""
     import torch
 
     from glance_sgl.config import GlanceConfig
 
-    cfg = GlanceConfig(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+    cfg = GlanceConfig(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_key_value_heads=kv_heads,
                        head_dim=16, num_hidden_layers=2, vocab_size=40, num_target_layers=4, tap_layers=[1, 2],
                        block_size=block_size, branch_k=branch_k, mask_token_id=3)
     torch.manual_seed(seed)

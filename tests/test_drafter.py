@@ -88,6 +88,32 @@ def test_batched_equals_single_and_incremental_equals_at_once(targets):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_a_pass_compiled_token_major_reads_the_draft_pool_without_compiling_again():
+    """The SGLang worker's drafter reads contexts gathered from its draft KV pool, laid out token-major; compiled at
+    start-up on that layout (``compile_block(token_major=True)``), drafting from the pool compiles nothing more (on
+    the other layout the compiler's stride guards compiled twice more on the first drafting steps, seconds each),
+    and the logits equal the eager pass's."""
+    from torch._dynamo.utils import counters
+
+    from glance_sgl.sglang.draft_pool import DraftKVPool
+
+    drafter, eager = tiny_bound_drafter(block_size=6, kv_heads=2), tiny_bound_drafter(block_size=6, kv_heads=2)
+    assert drafter.compile_block(batch_sizes=(1, 2), token_major=True)
+    graphs = counters["stats"]["unique_graphs"]
+    pool = DraftKVPool(drafter, size=64, device="cpu", dtype=torch.float32)
+    h = drafter.config.hidden_size * len(drafter.config.tap_layers)
+    torch.manual_seed(2)
+    pool.write(torch.arange(1, 64), torch.randn(63, h), torch.arange(63) % 16)
+    req_to_token = torch.arange(64).view(4, 16)
+    for lengths in ([9], [12, 3, 7], [5, 16]):
+        cache = pool.gather(req_to_token, torch.arange(len(lengths)), torch.tensor(lengths), max(lengths))
+        assert cache.keys[0].stride(2) != cache.keys[0].shape[-1]  # token-major: not the contiguous layout
+        roots = torch.randint(4, 40, (len(lengths),))
+        torch.testing.assert_close(drafter.draft_block(cache, roots, context_len=max(lengths)),
+                                   eager.draft_block(cache, roots, context_len=max(lengths)), atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_the_compiled_block_pass_matches_the_eager_one_and_falls_back_when_it_fails(caplog):
     """``compile_block`` (on a CPU) runs the block pass through torch.compile with dynamic shapes: the logits equal
     the eager pass's up to float rounding for one request and for a batch of unequal contexts (the masked branch),

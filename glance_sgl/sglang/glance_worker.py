@@ -179,7 +179,8 @@ class GlanceWorker(BaseSpecWorker):
         self.page_size = int(getattr(server_args, "page_size", 1) or 1)
         self.settings = WorkerSettings.from_env()  # every GLANCE setting, validated once (settings.py)
         if self.settings.compile_drafter and not self.device_is_cuda:
-            self.drafter.compile_block(batch_sizes=(1, 2))  # one request and any batch: compiled now, at start-up
+            # one request and any batch, compiled now, at start-up, on caches laid out as the pool's gather lays them
+            self.drafter.compile_block(batch_sizes=(1, 2), token_major=True)
         self._profile = self.settings.profile
         # the decode step on the device (tree, walk, commits: no host copy of logits or trees): the default on
         # CUDA; on a CPU the host heap and walk are faster, and GLANCE_SGL_STEP=device runs the device code there
