@@ -368,7 +368,8 @@ class GlanceDrafter(nn.Module):
             cpp.setLevel(logging.ERROR)
             try:
                 for bs in sorted(set(batch_sizes)):
-                    cache = self.new_cache(bs, capacity=37, token_major=token_major)  # odd sizes: nothing for the compiler to specialise on
+                    # odd sizes: nothing for the compiler to specialise on
+                    cache = self.new_cache(bs, capacity=37, token_major=token_major)
                     cache.lengths[:] = torch.tensor([29, 17, 23][:bs] + [11] * max(bs - 3, 0))
                     self.draft_block(cache, torch.zeros(bs, dtype=torch.long, device=self.fc.weight.device))
             finally:

@@ -51,7 +51,6 @@ def _seed_keys(seeds):
     return _mix32(_mix32((seeds & _MASK32) ^ _SEED_SALT) ^ ((seeds >> 32) & _MASK32))
 
 
-@functools.lru_cache(maxsize=8)
 def _keyed_uniforms(keys: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``counter_uniforms`` from the requests' keys [B] (``_seed_keys``) on ``indices.device``."""
     return _mix32(keys.to(indices.device)[:, None] ^ (indices & _MASK32)).double().add_(0.5).mul_(_TWO_M32)
@@ -209,7 +208,8 @@ def target_choices(
 
     filters = per_request("top_p", 1.0, torch.float32), per_request("top_k", 0, torch.long), \
         per_request("min_p", 0.0, torch.float32)
-    if not any(isinstance(f, torch.Tensor) for f in filters):  # no filter: the tempered softmax, unnormalised (the draw scales by each row's mass)
+    if not any(isinstance(f, torch.Tensor) for f in filters):
+        # no filter: the tempered softmax, unnormalised (the draw scales by each row's mass)
         probs = rows(logits).float() / temperature
         probs = probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()  # [S, R, V]
     else:

@@ -657,7 +657,8 @@ def sampled(requests: list[dict[str, Any]], temperature: float) -> list[dict[str
 def identity_base(method: str, temperature: float) -> str | None:
     """The method whose outputs ``method``'s must equal token for token: no speculation's when greedy; at T > 0
     GLANCE's own path with drafting off (``glance-off``, at the method's commit: the same seeded sampling, which
-    SGLang's sampler does not share), for the GLANCE methods only (NGRAM's and DFLASH's sampling keeps the distribution, not the tokens)."""
+    SGLang's sampler does not share), for the GLANCE methods only (NGRAM's and DFLASH's sampling keeps the
+    distribution, not the tokens)."""
     if temperature == 0.0:
         return None if method == "none" else "none"
     name, rev = method_parts(method)[0], method_commit(method)

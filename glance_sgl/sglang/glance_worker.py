@@ -441,8 +441,8 @@ class GlanceWorker(BaseSpecWorker):
 
     def _first_tokens(self, batch: ScheduleBatch, logits_output, predict: torch.Tensor) -> torch.Tensor:
         """At T > 0 the prompt's next token is drawn like every later one (glance_sgl.verify: the inverse CDF at a
-        uniform keyed by the request's seed and the output index), so that a seeded request's whole output is reproducible
-        and equals the embedded engine's. Greedy requests keep SGLang's own choice."""
+        uniform keyed by the request's seed and the output index), so that a seeded request's whole output is
+        reproducible and equals the embedded engine's. Greedy requests keep SGLang's own choice."""
         # SGLang's choice stands for greedy requests and for constrained ones (its sampler drew under the grammar)
         redraw = [(b, req, spec) for b, (req, spec) in enumerate(zip(batch.reqs, map(sampling_spec, batch.reqs)))
                   if not spec.greedy and req.grammar is None]

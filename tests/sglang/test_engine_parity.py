@@ -234,7 +234,7 @@ def test_no_kv_leak_and_engine_alive(run):
 
 
 def test_sampling_is_seeded_and_equals_embedded(run):
-    """T > 0: the worker's lossless sampling (glance_sgl.verify, inverse CDF at uniforms keyed by seed and output index) gives
+    """T > 0: the worker's lossless sampling (glance_sgl.verify, inverse CDF at keyed uniforms) gives
     the embedded engine's sampled output for the same seed, token for token."""
     req = {**run["requests"][0], "temperature": 0.8, "seed": 1234}
     a, b = run["glance"].generate([req, req])["results"]
