@@ -333,7 +333,7 @@ def test_sweep_compares_tree_configs_with_the_chain(engines):
     sweep = run_sweep(engine, [(3, 1), (9, 2)], limit=1, max_tokens=8, tasks=("caption",), progress=False,
                       planners=("fixed",))
     assert (engine.budget, engine.branch_k) == before  # the engine's own settings stay
-    assert [(r["budget"], r["branch_k"]) for r in sweep["configs"]] == [(3, 1), (9, 2)]
+    assert [(r["budget"], r["branch_k"]) for r in sweep["configs"]] == [(3, 1), (9, 2)] and sweep["temperature"] == 0
     for row in sweep["configs"]:
         s = row["tasks"]["caption"]
         assert row["glance_method"] == "fixed" and set(row["geomean"]) == {"fixed", "chain"}

@@ -384,9 +384,10 @@ def parse_sweep(spec: str) -> list[tuple[int, int]]:
 
 def run_sweep(engine: GlanceEngine, configs: list[tuple[int, int]], limit: int = 10, max_tokens: int = 96,
               tasks: tuple[str, ...] = TASKS, progress: bool = True,
-              planners: Sequence[str] = PLANNERS) -> dict[str, Any]:
+              planners: Sequence[str] = PLANNERS, temperature: float = 0.0) -> dict[str, Any]:
     """The bench (without the HF peers) once per (budget, branch_k): AR, the GLANCE ``planners`` (both by
-    default; one with ``glance bench --planner``) and the chain back to back each time.
+    default; one with ``glance bench --planner``) and the chain back to back each time, sampled at ``temperature``
+    as :func:`run_bench` samples.
 
     Returns ``{"configs": [{"budget", "branch_k", "glance_method", "geomean_decode_speedup",
     "geomean_chain_decode_speedup", "geomean": {method: x} (demo tasks), "wild": {method: x} | None,
@@ -400,7 +401,7 @@ def run_sweep(engine: GlanceEngine, configs: list[tuple[int, int]], limit: int =
         config_engine = GlanceEngine(engine.target, engine.drafter, budget=budget, branch_k=branch_k,
                                      mode=engine.mode, planner=engine.planner_mode)
         rep = run_bench(config_engine, limit=limit, max_tokens=max_tokens, tasks=tasks, progress=progress,
-                        peers=False, planners=planners, sources=False)
+                        peers=False, planners=planners, sources=False, temperature=temperature)
         per_task = {}
         for t, s in rep["tasks"].items():
             ms = s["methods"]
@@ -422,7 +423,8 @@ def run_sweep(engine: GlanceEngine, configs: list[tuple[int, int]], limit: int =
                                  if (s["decode_speedup"] or 0) > (s["chain_decode_speedup"] or 0)],
             "tasks": per_task,
         })
-    return {"configs": rows, "limit": limit, "max_tokens": max_tokens, "block_size": engine.block_size}
+    return {"configs": rows, "limit": limit, "max_tokens": max_tokens, "temperature": temperature,
+            "block_size": engine.block_size}
 
 
 def _f(value: float | None, fmt: str = "{:.2f}") -> str:

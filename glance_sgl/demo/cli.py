@@ -52,7 +52,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engine.freeze_gc()  # as a served engine (glance serve): no full collection walks the start-up objects mid-run
     if sweep:
         result = run_sweep(engine, sweep, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks,
-                           planners=planners)
+                           planners=planners, temperature=args.temperature)
         print(format_sweep(result))
         if args.json:
             save_json(result, args.json)
