@@ -171,14 +171,15 @@ class DrafterCache:
         """Zeros, ``capacity`` tokens per request. ``token_major``: laid out as a cache gathered from a pool of
         token slots is (``[B, capacity, kv_heads, head_dim]`` seen as ``[B, kv_heads, capacity, head_dim]``, the
         SGLang worker's draft KV pool), so that a pass compiled on it serves such caches without a recompile."""
+        kv, d = cfg.num_key_value_heads, cfg.head_dim
+
+        def buffer() -> torch.Tensor:
+            if token_major:
+                return torch.zeros(batch, capacity, kv, d, device=device, dtype=dtype).permute(0, 2, 1, 3)
+            return torch.zeros(batch, kv, capacity, d, device=device, dtype=dtype)
+
         n = cfg.num_hidden_layers
-        if token_major:
-            shape = (batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
-            make = lambda: torch.zeros(shape, device=device, dtype=dtype).permute(0, 2, 1, 3)  # noqa: E731
-        else:
-            shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
-            make = lambda: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
-        return cls([make() for _ in range(n)], [make() for _ in range(n)],
+        return cls([buffer() for _ in range(n)], [buffer() for _ in range(n)],
                    torch.zeros(batch, dtype=torch.long, device=device))
 
     @property

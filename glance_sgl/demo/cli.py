@@ -59,8 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"wrote {args.json}")
         return 0
     report = run_bench(engine, limit=args.limit, max_tokens=args.max_tokens, tasks=tasks,
-                       peers=not args.no_peers and args.temperature == 0.0, planners=planners,
-                       temperature=args.temperature)
+                       peers=not args.no_peers, planners=planners, temperature=args.temperature)
     print(format_table(report))
     if args.json:
         save_json(report, args.json)
