@@ -55,8 +55,13 @@ START_DECAY = 0.6  # memory of how requests' first drafting rounds went: ~2.5 re
 START_HOLD = 8  # while first rounds rarely pay, a new request's first probe waits this many rounds ...
 START_HOLD_LONG = 16  # ... and this many while they almost never do (share below START_RARE)
 START_RARE = 0.1
-EXPLORE = 8  # while first rounds rarely pay, every EXPLORE-th new request drafts at once all the same, so a
-# return of requests the drafter knows is noticed even when their answers are shorter than the hold
+EXPLORE = 2  # while first rounds rarely pay, one new request in EXPLORE x (requests in flight) drafts at once all
+# the same, so a return of requests the drafter knows is noticed even when their answers are shorter than the hold.
+# An explorer's probe costs its round's batch a drafter pass, so the interval grows with the requests a round holds
+# (IN_FLIGHT_TREND: weight of the past in their mean, per round): one request at a time, every 2nd explores (bursts of
+# 10 `wild` then 8 demo requests, the embedded engine, both sources: the demo ones ran 3.24x AR against 2.08x with
+# every 8th, the `wild` ones 1.24x against 1.25x); at 8 in flight about every 16th
+IN_FLIGHT_TREND = 0.9
 # ... and a new request drafts in its first round all the same while at least START_TRUST of recent requests' first
 # drafting rounds beat what it would run instead (the matches' round, of those that had matches, where it has
 # matches; else an AR step; decayed shares, START_DECAY, with no prior: none measured, none trusted): the gain
@@ -355,6 +360,8 @@ class Planner:
     starts_beat: list[float] = field(default_factory=lambda: [0.0, 0.0])
     starts_seen: list[float] = field(default_factory=lambda: [0.0, 0.0])
     new_requests: int = 0
+    since_explorer: int = 0  # new requests since the last explorer
+    in_flight: float = 1.0  # decayed mean of the requests a round holds (IN_FLIGHT_TREND)
     explore_debt: bool = False  # an explorer ended before its first round (a one-token request): the next explores
     cheap_ms: float | None = None  # measured ms per request of a lookup of the sources without a model pass
     # ... what they gave drafting rounds over all requests (NGRAM_ALL_TREND), and requests' first ones (FIRST_TREND)
@@ -379,11 +386,19 @@ class Planner:
             share = self.starts_paid / self.starts
             hold = START_HOLD_LONG if share < START_RARE else START_HOLD if share < PROBE_RARE else 0
             self.new_requests += 1
-            explorer = self.new_requests % EXPLORE == 0
+            self.since_explorer += 1
+            explorer = self.since_explorer >= self.explore_interval()
             if not explorer and self.explore_debt:
                 explorer, self.explore_debt = True, False
+            if explorer:
+                self.since_explorer = 0
             st = self.requests[rid] = RequestPlanState(hold=0 if explorer else hold, explorer=explorer)
         return st
+
+    def explore_interval(self) -> int:
+        """New requests from one explorer to the next: ``EXPLORE`` per request a round holds (its probe drafts for
+        the batch)."""
+        return EXPLORE * max(1, round(self.in_flight))
 
     def drafter_idle(self) -> bool:
         """Whether the drafter knows almost nothing of today's traffic: requests' first drafting rounds and probes
@@ -399,9 +414,9 @@ class Planner:
         drafter idles (:meth:`drafter_idle`): the request is retired at birth, so the drafter costs it next to
         nothing (its decode steps feed no context, no probe; the embedded engine projects no prompt context either,
         while SGLang writes the prompt's, which its radix cache may lend to a later request), except every
-        ``EXPLORE``-th new request (an explorer), which keeps its context and probes at once, so that a return of
-        traffic the drafter knows is still noticed (its paying first round ends the idling; at most EXPLORE - 1 such
-        requests lose theirs). Asked again (a prompt prefilled in chunks, or again after a retraction), the answer
+        :meth:`explore_interval`-th new request (an explorer), which keeps its context and probes at once, so that a
+        return of traffic the drafter knows is still noticed (its paying first round ends the idling; at most the
+        interval less one such requests lose theirs). Asked again (a prompt prefilled in chunks, or again after a retraction), the answer
         stands."""
         known = rid in self.requests
         st = self.state(rid)
@@ -812,6 +827,7 @@ class Planner:
         in mode "off": no decision reads them)."""
         if self.mode == "off":
             return
+        self.in_flight = IN_FLIGHT_TREND * self.in_flight + (1.0 - IN_FLIGHT_TREND) * report.batch
         leads = [self.leads.get(r) for r in report.rids]
         only = None
         if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1 \

@@ -294,13 +294,16 @@ def test_where_probes_rarely_pay_new_requests_wait_before_drafting_and_back_off_
     # nothing known yet: draft at once; that first round is a probe, so its failure backs off (8 AR rounds)
     assert first[:2] == [0, 9]
     holds = []
-    for i in range(1, 6):  # a run of requests the drafter does not know
-        drafted = drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
-        holds.append(drafted[0])
+    for i in range(1, 8):  # a run of requests the drafter does not know
+        drafted = drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60, forget=False)
+        if not planner.state(f"wild{i}").explorer:  # (explorers probe at once)
+            holds.append(drafted[0])
+            held = drafted
+        planner.forget(f"wild{i}")
     assert planner.probe_success() < 0.25
     # first rounds stop paying: new requests wait START_HOLD, then (almost never paying) START_HOLD_LONG rounds
     assert START_HOLD in holds and holds[-1] == START_HOLD_LONG
-    assert drafted == [START_HOLD_LONG]  # ... and a failed probe then waits MAX_PROBE_INTERVAL rounds
+    assert held == [START_HOLD_LONG]  # ... and a failed probe then waits MAX_PROBE_INTERVAL rounds
     # a request the drafter knows: its first probe pays, drafting goes on every round, and the next new request
     # drafts at once again
     known = drafted_steps(planner, "doc", tree, accepted=6, steps=30)
@@ -347,7 +350,8 @@ def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_t
 
 def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explorers():
     """``admit`` (before a request's prefill): where the drafter idles, a new request keeps no drafter context
-    and never drafts, except every EXPLORE-th (an explorer), which keeps it and probes at once; where such a
+    and never drafts, except every ``explore_interval()``-th (an explorer), which keeps it and probes at once; where
+    such a
     probe pays, the idling ends and new requests keep their context again. Planners that do not idle admit every
     request."""
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
@@ -366,7 +370,7 @@ def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explor
     assert not planner.admit(born_retired)  # asked again (a prompt prefilled in chunks): the answer stands
     # an explorer that ends before its first round (a one-token request) hands its role to the next new request
     planner.forget(rids[admitted.index(True)])
-    while (planner.new_requests + 1) % EXPLORE == 0:  # the next new request does not explore by its count
+    while planner.since_explorer + 1 >= planner.explore_interval():  # the next does not explore by its count
         planner.admit(f"filler{planner.new_requests}")
     assert planner.admit("next") and planner.state("next").explorer
     assert drafted_steps(planner, "next", tree, accepted=6, steps=6)[0] <= MIN_PROBE_INTERVAL
@@ -378,18 +382,35 @@ def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explor
 
 def test_where_first_rounds_never_pay_one_new_request_in_explore_drafts_at_once():
     """Requests the drafter knows but whose answers are shorter than the hold still bring drafting back: every
-    EXPLORE-th new request probes at its first round."""
+    EXPLORE-th new request (one at a time) probes at its first round."""
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
     tree = random_tree(6, 15, sharp=8.0)
     for i in range(6):
         drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=20)
-    firsts = [drafted_steps(planner, f"short{i}", tree, accepted=6, steps=6) for i in range(EXPLORE)]
+    assert planner.explore_interval() == EXPLORE
+    firsts = [drafted_steps(planner, f"short{i}", tree, accepted=6, steps=6) for i in range(EXPLORE + 2)]
     explorer = next(i for i, d in enumerate(firsts) if d)
     assert all(not d for d in firsts[:explorer])  # too short for the hold: no drafting at all
     # the explorer probes at once (or after the shortest interval, where the entropy table alone says no), its
     # probe pays, and the requests after it draft from their first round
     assert firsts[explorer][0] <= MIN_PROBE_INTERVAL
-    assert all(d == list(range(6)) for d in firsts[explorer + 1:]) and explorer < EXPLORE - 1
+    assert all(d == list(range(6)) for d in firsts[explorer + 1:]) and explorer < EXPLORE
+
+
+def test_explorers_grow_rarer_with_the_requests_a_round_holds():
+    """An explorer's probe drafts for its whole batch: where rounds hold 8 requests, one new request in
+    8 x EXPLORE explores while the drafter idles, not one in EXPLORE."""
+    planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
+    tree = random_tree(6, 15, sharp=8.0)
+    for i in range(6):
+        drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
+    assert planner.drafter_idle() and planner.explore_interval() == EXPLORE
+    batch = [f"b{i}" for i in range(8)]
+    for _ in range(60):  # rounds of 8 requests without drafting
+        planner.report(RoundReport(batch, planner.skip(batch), rows=1, accepted=[0] * 8))
+    assert planner.explore_interval() == 8 * EXPLORE
+    admitted = [planner.admit(f"new{i}") for i in range(4 * 8 * EXPLORE)]
+    assert sum(admitted) == 4 and planner.drafter_idle()
 
 
 def test_a_paying_request_is_not_paused_by_noisy_rounds_but_one_that_stops_paying_is():
