@@ -57,11 +57,10 @@ START_HOLD_LONG = 16  # ... and this many while they almost never do (share belo
 START_RARE = 0.1
 EXPLORE = 2  # while first rounds rarely pay, one new request in EXPLORE x (requests in flight) drafts at once all
 # the same, so a return of requests the drafter knows is noticed even when their answers are shorter than the hold.
-# An explorer's probe costs its round's batch a drafter pass, so the interval grows with the requests a round holds
-# (IN_FLIGHT_TREND: weight of the past in their mean, per round): one request at a time, every 2nd explores (bursts of
-# 10 `wild` then 8 demo requests, the embedded engine, both sources: the demo ones ran 3.24x AR against 2.08x with
-# every 8th, the `wild` ones 1.24x against 1.25x); at 8 in flight about every 16th
-IN_FLIGHT_TREND = 0.9
+# An explorer's probe costs its round's batch a drafter pass, so the interval grows with the requests in flight (the
+# planner's: those it keeps state for): one request at a time every 2nd explores (bursts of 10 `wild` then 8 demo
+# requests, the embedded engine, both sources: the demo ones ran 3.24x AR against 2.08x with every 8th, the `wild`
+# ones 1.24x against 1.25x); at 8 in flight every 16th
 # ... and a new request drafts in its first round all the same while at least START_TRUST of recent requests' first
 # drafting rounds beat what it would run instead (the matches' round, of those that had matches, where it has
 # matches; else an AR step; decayed shares, START_DECAY, with no prior: none measured, none trusted): the gain
@@ -361,7 +360,6 @@ class Planner:
     starts_seen: list[float] = field(default_factory=lambda: [0.0, 0.0])
     new_requests: int = 0
     since_explorer: int = 0  # new requests since the last explorer
-    in_flight: float = 1.0  # decayed mean of the requests a round holds (IN_FLIGHT_TREND)
     explore_debt: bool = False  # an explorer ended before its first round (a one-token request): the next explores
     cheap_ms: float | None = None  # measured ms per request of a lookup of the sources without a model pass
     # ... what they gave drafting rounds over all requests (NGRAM_ALL_TREND), and requests' first ones (FIRST_TREND)
@@ -396,9 +394,9 @@ class Planner:
         return st
 
     def explore_interval(self) -> int:
-        """New requests from one explorer to the next: ``EXPLORE`` per request a round holds (its probe drafts for
-        the batch)."""
-        return EXPLORE * max(1, round(self.in_flight))
+        """New requests from one explorer to the next: ``EXPLORE`` per request in flight, the next new one
+        included (an explorer's probe drafts for its batch)."""
+        return EXPLORE * (len(self.requests) + 1)
 
     def drafter_idle(self) -> bool:
         """Whether the drafter knows almost nothing of today's traffic: requests' first drafting rounds and probes
@@ -827,7 +825,6 @@ class Planner:
         in mode "off": no decision reads them)."""
         if self.mode == "off":
             return
-        self.in_flight = IN_FLIGHT_TREND * self.in_flight + (1.0 - IN_FLIGHT_TREND) * report.batch
         leads = [self.leads.get(r) for r in report.rids]
         only = None
         if getattr(report.tree, "sources", None) is not None and report.walk is not None and report.rows > 1 \

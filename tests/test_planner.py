@@ -362,8 +362,14 @@ def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explor
         drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
     assert planner.drafter_idle()
     rids = [f"new{i}" for i in range(2 * EXPLORE)]
-    admitted = [planner.admit(r) for r in rids]
-    assert sum(admitted) == 2 and admitted == [planner.state(r).explorer for r in rids]
+    admitted = []
+    for rid in rids:  # one request at a time; the explorers' probes fail
+        admitted.append(planner.admit(rid))
+        assert admitted[-1] == planner.state(rid).explorer
+        drafted_steps(planner, rid, tree, accepted=0, steps=4)
+    assert sum(admitted) == 2 and planner.drafter_idle()
+    rids = [f"next{i}" for i in range(EXPLORE)]
+    admitted = [planner.admit(r) for r in rids]  # in flight together (the interval grows with them)
     born_retired = rids[admitted.index(False)]
     assert planner.context_mask([born_retired]) == [False]
     assert drafted_steps(planner, born_retired, tree, accepted=6, steps=100, forget=False) == []
@@ -398,19 +404,25 @@ def test_where_first_rounds_never_pay_one_new_request_in_explore_drafts_at_once(
 
 
 def test_explorers_grow_rarer_with_the_requests_a_round_holds():
-    """An explorer's probe drafts for its whole batch: where rounds hold 8 requests, one new request in
-    8 x EXPLORE explores while the drafter idles, not one in EXPLORE."""
+    """An explorer's probe drafts for its whole batch: with 8 requests in flight, one new request in 8 x EXPLORE
+    explores while the drafter idles, not one in EXPLORE."""
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
     tree = random_tree(6, 15, sharp=8.0)
     for i in range(6):
         drafted_steps(planner, f"wild{i}", tree, accepted=0, steps=60)
     assert planner.drafter_idle() and planner.explore_interval() == EXPLORE
-    batch = [f"b{i}" for i in range(8)]
-    for _ in range(60):  # rounds of 8 requests without drafting
-        planner.report(RoundReport(batch, planner.skip(batch), rows=1, accepted=[0] * 8))
-    assert planner.explore_interval() == 8 * EXPLORE
-    admitted = [planner.admit(f"new{i}") for i in range(4 * 8 * EXPLORE)]
-    assert sum(admitted) == 4 and planner.drafter_idle()
+    flight = [f"b{i}" for i in range(8)]
+    for rid in flight:
+        planner.admit(rid)
+    explorers = 0
+    for i in range(4 * 8 * EXPLORE):  # one ends, one comes: 8 in flight
+        planner.forget(flight.pop(0))
+        assert planner.explore_interval() == 8 * EXPLORE
+        if planner.admit(f"new{i}"):
+            explorers += 1
+            planner.state(f"new{i}").drafted_rounds = 1  # its probe ran (else it hands its role on when it ends)
+        flight.append(f"new{i}")
+    assert explorers == 4 and planner.drafter_idle()
 
 
 def test_a_paying_request_is_not_paused_by_noisy_rounds_but_one_that_stops_paying_is():
