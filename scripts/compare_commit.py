@@ -1,7 +1,7 @@
 """Before/after on this machine in one process: this checkout's engine against an earlier commit's engine.
 
     .venv/bin/python scripts/compare_commit.py --commit 2c6fa6d [--limit 40] [--max-tokens 96] [--json out.json]
-        [--tasks wild,text] [--mix] [--compile-drafter] [--temperature 0.7]
+        [--tasks wild,text] [--mix | --bursts N] [--compile-drafter] [--temperature 0.7]
 
 The earlier commit's ``glance_sgl`` is exported with ``git archive`` into a temporary folder and imported under
 another name (``glance_base``), so both engines load the same bundled checkpoints side by side. For every task
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="caption,text,chart,document,open,wild")
     ap.add_argument("--mix", action="store_true",
                     help="the tasks' prompts interleaved one by one (mixed traffic) instead of task after task")
+    ap.add_argument("--bursts", type=int, default=0, metavar="N",
+                    help="the tasks' prompts in bursts of N, task by task in turn (traffic that switches: "
+                         "`--tasks wild,text --bursts 10`); --mix is bursts of 1")
     ap.add_argument("--json")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature, the i-th prompt seeded i in both engines (default: greedy)")
@@ -102,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         fn(warm)
     tasks = args.tasks.split(",")
     per_task = [[(t, ex) for ex in bench_examples(t, args.limit)] for t in tasks]
-    jobs = [job for group in itertools.zip_longest(*per_task) for job in group if job is not None] if args.mix \
-        else [job for group in per_task for job in group]
+    size = 1 if args.mix else args.bursts
+    if size:  # each task's prompts in chunks of ``size``, the tasks' chunks in turn
+        chunks = [[jobs[i:i + size] for i in range(0, len(jobs), size)] for jobs in per_task]
+        jobs = [job for group in itertools.zip_longest(*chunks, fillvalue=[]) for chunk in group for job in chunk]
+    else:
+        jobs = [job for group in per_task for job in group]
     tot = {t: {n: [0.0, 0, 0] for n in names} for t in tasks}  # decode ms, decode tokens, rounds
     same = {t: {n: 0 for n in names} for t in tasks}
     same_base = {t: 0 for t in tasks}
