@@ -33,18 +33,16 @@ def source_counts(tree: "DraftTree", walk: "WalkResult") -> list[dict[str, tuple
     accepted rows (``walk.accepted_rows`` [bs, W] tree rows, -1 padding, column 0 the root, which no source
     proposed) with that tag. An untagged tree (``sources`` None: the drafter alone) is all drafter nodes; a
     root-only tree (an AR step) verified nothing of any source. The one place these counts are made."""
-    if tree.num_rows == 1:  # an AR step: no tensor work (most rounds where drafting does not pay)
+    if tree.num_rows == 1:  # an AR step: nothing to count (most rounds where drafting does not pay)
         return [dict.fromkeys(SOURCE_KEYS, (False, 0)) for _ in range(tree.batch_size)]
-    tags = tree.source_tags()
-    rows = walk.accepted_rows.to(tags.device)
-    taken = torch.where(rows > 0, tags.gather(1, rows.clamp(min=0)), 0)
-    nodes = tags[:, 1:]
-    out: list[dict[str, tuple[bool, int]]] = [{} for _ in range(tags.shape[0])]
-    for key, tag in SOURCE_KEYS.items():
-        verified = (nodes == tag).any(dim=1).tolist() if nodes.shape[1] else [False] * tags.shape[0]
-        accepted = (taken == tag).sum(dim=1).tolist()
-        for b in range(tags.shape[0]):
-            out[b][key] = (bool(verified[b]), int(accepted[b]))
+    # on host lists: a round's tree is a few dozen tags (one read each; tensor ops per key cost more, every round)
+    tags = tree.source_tags().tolist()
+    walk = walk if walk.host is None else walk.host
+    out: list[dict[str, tuple[bool, int]]] = []
+    for row_tags, rows in zip(tags, walk.accepted_rows.tolist()):
+        present = set(row_tags[1:])
+        taken = [row_tags[r] for r in rows if r > 0]
+        out.append({key: (tag in present, taken.count(tag)) for key, tag in SOURCE_KEYS.items()})
     return out
 
 
