@@ -414,8 +414,8 @@ class Planner:
         while SGLang writes the prompt's, which its radix cache may lend to a later request), except every
         :meth:`explore_interval`-th new request (an explorer), which keeps its context and probes at once, so that a
         return of traffic the drafter knows is still noticed (its paying first round ends the idling; at most the
-        interval less one such requests lose theirs). Asked again (a prompt prefilled in chunks, or again after a retraction), the answer
-        stands."""
+        interval less one such requests lose theirs). Asked again (a prompt prefilled in chunks, or again after a
+        retraction), the answer stands."""
         known = rid in self.requests
         st = self.state(rid)
         if not known and not st.explorer and self.drafter_idle():

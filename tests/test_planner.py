@@ -351,9 +351,8 @@ def test_where_the_drafter_knows_nothing_of_the_traffic_a_failed_probe_retires_t
 def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explorers():
     """``admit`` (before a request's prefill): where the drafter idles, a new request keeps no drafter context
     and never drafts, except every ``explore_interval()``-th (an explorer), which keeps it and probes at once; where
-    such a
-    probe pays, the idling ends and new requests keep their context again. Planners that do not idle admit every
-    request."""
+    such a probe pays, the idling ends and new requests keep their context again. Planners that do not idle admit
+    every request."""
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
     tree = random_tree(6, 15, sharp=8.0)
     assert planner.admit("first") and not planner.drafter_idle()  # nothing known yet: every request admitted
@@ -403,7 +402,7 @@ def test_where_first_rounds_never_pay_one_new_request_in_explore_drafts_at_once(
     assert all(d == list(range(6)) for d in firsts[explorer + 1:]) and explorer < EXPLORE
 
 
-def test_explorers_grow_rarer_with_the_requests_a_round_holds():
+def test_explorers_grow_rarer_with_the_requests_in_flight():
     """An explorer's probe drafts for its whole batch: with 8 requests in flight, one new request in 8 x EXPLORE
     explores while the drafter idles, not one in EXPLORE."""
     planner = Planner(linear_costs(per_row=0.05, draft=0.6), max_nodes=15, max_depth=7)
