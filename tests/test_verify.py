@@ -403,6 +403,19 @@ def test_choices_invert_the_distribution_at_the_keyed_uniforms():
     assert torch.equal(target_choices(logits, depths, next_index, specs), want)
 
 
+def test_uniforms_from_python_ints_are_the_tensor_ones():
+    """``target_choices`` hashes a few sampled rows on a CPU from Python ints (``HOST_UNIFORMS_MAX``): the same bits
+    as the tensor hash, for any seed and index."""
+    from glance_sgl.verify import _host_uniforms, _keyed_uniforms, _seed_keys
+
+    rng = random.Random(3)
+    seeds = [0, -1, (1 << 63) - 1, -(1 << 63), (1 << 70) + 3] + [rng.randrange(-(1 << 80), 1 << 80) for _ in range(27)]
+    indices = [[rng.randrange(1 << 32) for _ in range(9)] + [0, (1 << 32) - 1] for _ in seeds]
+    keys = [_seed_keys(s) for s in seeds]
+    assert torch.equal(_host_uniforms(keys, indices), _keyed_uniforms(torch.tensor(keys), torch.tensor(indices)))
+    assert torch.equal(_host_uniforms(keys, indices), counter_uniforms(seed_tensor(seeds), torch.tensor(indices)))
+
+
 def test_uniform_hash_is_pinned():
     """The hash fixes every seeded output: a change to it must be deliberate (these are its first words)."""
     u = counter_uniforms(seed_tensor([0, (1 << 70) + 3]), torch.tensor([[0, 1, 2, 3], [17, 18, 19, 20]]))
