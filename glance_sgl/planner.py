@@ -358,7 +358,6 @@ class Planner:
     # the matches' round out of those that had matches: [AR step, matches]
     starts_beat: list[float] = field(default_factory=lambda: [0.0, 0.0])
     starts_seen: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    new_requests: int = 0
     since_explorer: int = 0  # new requests since the last explorer
     explore_debt: bool = False  # an explorer ended before its first round (a one-token request): the next explores
     cheap_ms: float | None = None  # measured ms per request of a lookup of the sources without a model pass
@@ -383,7 +382,6 @@ class Planner:
         if st is None:
             share = self.starts_paid / self.starts
             hold = START_HOLD_LONG if share < START_RARE else START_HOLD if share < PROBE_RARE else 0
-            self.new_requests += 1
             self.since_explorer += 1
             explorer = self.since_explorer >= self.explore_interval()
             if not explorer and self.explore_debt:

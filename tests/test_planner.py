@@ -375,8 +375,10 @@ def test_where_the_drafter_idles_new_requests_are_retired_at_birth_except_explor
     assert not planner.admit(born_retired)  # asked again (a prompt prefilled in chunks): the answer stands
     # an explorer that ends before its first round (a one-token request) hands its role to the next new request
     planner.forget(rids[admitted.index(True)])
+    fillers = 0
     while planner.since_explorer + 1 >= planner.explore_interval():  # the next does not explore by its count
-        planner.admit(f"filler{planner.new_requests}")
+        fillers += 1
+        planner.admit(f"filler{fillers}")
     assert planner.admit("next") and planner.state("next").explorer
     assert drafted_steps(planner, "next", tree, accepted=6, steps=6)[0] <= MIN_PROBE_INTERVAL
     assert not planner.drafter_idle() and planner.admit("after")
