@@ -48,11 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--tasks", default="caption,text,chart,document,open,wild")
-    ap.add_argument("--mix", action="store_true",
-                    help="the tasks' prompts interleaved one by one (mixed traffic) instead of task after task")
-    ap.add_argument("--bursts", type=int, default=0, metavar="N",
-                    help="the tasks' prompts in bursts of N, task by task in turn (traffic that switches: "
-                         "`--tasks wild,text --bursts 10`); --mix is bursts of 1")
+    order = ap.add_mutually_exclusive_group()
+    order.add_argument("--mix", action="store_true",
+                       help="the tasks' prompts interleaved one by one (mixed traffic) instead of task after task")
+    order.add_argument("--bursts", type=int, default=0, metavar="N",
+                       help="the tasks' prompts in bursts of N, task by task in turn (traffic that switches: "
+                            "`--tasks wild,text --bursts 10`); --mix is bursts of 1")
     ap.add_argument("--json")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature, the i-th prompt seeded i in both engines (default: greedy)")
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="this checkout's drafter pass through torch.compile, as `glance serve` runs it on a CPU "
                          "(the earlier commit's engine keeps its own drafter, eager)")
     args = ap.parse_args(argv)
+    if args.bursts < 0:
+        ap.error(f"--bursts must be 0 (task after task) or more, got {args.bursts}")
 
     import time
 
