@@ -374,3 +374,35 @@ def test_a_cpu_server_forks_its_processes_and_a_gpu_server_spawns_them(plugins_l
         assert multiprocessing.get_start_method() == "fork"
     finally:
         multiprocessing.set_start_method(before, force=True)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_cpu_verify_attention_in_one_call_equals_one_call_per_request(ragged):
+    """The ``glance_cpu`` backend's verify attention over every request at once (K/V padded to the longest
+    request, :func:`glance_sgl.sglang.cpu.batched_layout`) gives each row what one SDPA call per request gives it,
+    for uniform and ragged passes (tree masks, prefixes of different lengths, GQA); a batch that would pad too
+    much keeps one call per request."""
+    from glance_sgl.sglang.cpu import attend_batched, attend_per_request, batched_layout
+
+    g = torch.Generator().manual_seed(3 + ragged)
+    hq, hk, d, slots_total = 6, 2, 8, 400
+    k_buf, v_buf = torch.randn(slots_total, hk, d, generator=g), torch.randn(slots_total, hk, d, generator=g)
+    prefixes = [37, 5, 60, 21]
+    rows = [7, 3, 7, 1] if ragged else [7] * 4
+    layout, start, taken = [], 0, torch.randperm(slots_total, generator=g)
+    for pre, n in zip(prefixes, rows):
+        seg = torch.ones(n, pre + n, dtype=torch.bool)
+        seg[:, pre:] = torch.rand(n, n, generator=g) < 0.5  # a random tree mask: every row sees itself
+        seg[:, pre:] |= torch.eye(n, dtype=torch.bool)
+        seg[:, pre:] &= torch.tril(torch.ones(n, n, dtype=torch.bool))
+        layout.append((seg, taken[:pre + n].clone(), start, n))
+        taken, start = taken[pre + n:], start + n
+    q = torch.randn(start, hq, d, generator=g)
+    batched = batched_layout(layout)
+    assert batched is not None and (batched[2] is None) == (not ragged)
+    want = attend_per_request(q, k_buf, v_buf, layout, 0.3, d)
+    got = attend_batched(q, k_buf, v_buf, batched, 0.3, d)
+    assert got.shape == want.shape == (start, hq * d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # one long request among short ones: padding all to it would cost more than the calls it saves
+    assert batched_layout(layout, pad_limit=1.0) is None and batched_layout(layout[:1]) is None
