@@ -39,6 +39,9 @@ BACKEND_NAME = "glance_cpu"
 # rows a request over 250-450-token prefixes, 1 / 4 / 8 / 16 requests took 3.0 / 7.3 / 10.6 / 20.0 ms in one call
 # against 3.1 / 9.5 / 17.1 / 32.0 ms in a call each (a microbenchmark of the two layouts)
 PAD_LIMIT = 2.0
+# ... and where the padded K (and V) of one layer stay within this many bytes: the per-request calls hold one
+# request's at a time (16 requests of 32k tokens of a 7B model's 8 x 128 K heads would gather 2 GiB a layer)
+BATCHED_KV_BYTES = 64 << 20
 
 
 def install_vllm_stub() -> None:
@@ -262,16 +265,19 @@ VerifyLayout = list[tuple[torch.Tensor, torch.Tensor, int, int]]  # per request:
 BatchedLayout = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
-def batched_layout(layout: VerifyLayout, pad_limit: float = PAD_LIMIT) -> BatchedLayout | None:
+def batched_layout(layout: VerifyLayout, pad_limit: float = PAD_LIMIT, max_slots: int | None = None
+                   ) -> BatchedLayout | None:
     """A verify pass's requests (``layout``: per request its mask rows [n, L + n] (bool), K/V slots [L + n], the
     offset of its rows in the pass and their number n) as one padded batch, where padding to the longest request
     costs at most ``pad_limit`` times the requests' own lengths: K/V slots [bs, T] (T the longest L + n; padding
     reads slot 0, masked out), the mask [bs, 1, W, T] (W the most rows of a request) and, where requests have
     different numbers of rows (a ragged pass), each packed row's place in the [bs * W] padded rows (None: every
     request has W rows, in order). A padded query row sees one key (its output is dropped), so no softmax row is
-    empty. None: one request, or too much padding (:func:`attend_per_request`)."""
+    empty. None: one request, too much padding, or more than ``max_slots`` padded K/V slots (bs x T; None: no
+    bound): one call per request (:func:`attend_per_request`)."""
     lens = [slots.shape[0] for _, slots, _, _ in layout]
-    if len(layout) < 2 or len(layout) * max(lens) > pad_limit * sum(lens):
+    padded = len(layout) * max(lens)
+    if len(layout) < 2 or padded > pad_limit * sum(lens) or (max_slots is not None and padded > max_slots):
         return None
     bs, width, longest, device = len(layout), max(n for *_, n in layout), max(lens), layout[0][1].device
     slots = torch.zeros(bs, longest, dtype=torch.long, device=device)
@@ -347,7 +353,9 @@ def _make_backend_class():
             layout = self._verify_layout(forward_batch)
             batched = getattr(forward_batch, "_glance_cpu_batched", False)
             if batched is False:  # the same for every layer of the pass
-                batched = forward_batch._glance_cpu_batched = batched_layout(layout)
+                slot_bytes = k_buf[0].numel() * k_buf.element_size()
+                batched = forward_batch._glance_cpu_batched = batched_layout(
+                    layout, max_slots=BATCHED_KV_BYTES // max(slot_bytes, 1))
             if batched is not None:
                 return attend_batched(q_, k_buf, v_buf, batched, layer.scaling, dv)
             return attend_per_request(q_, k_buf, v_buf, layout, layer.scaling, dv)

@@ -406,3 +406,5 @@ def test_cpu_verify_attention_in_one_call_equals_one_call_per_request(ragged):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # one long request among short ones: padding all to it would cost more than the calls it saves
     assert batched_layout(layout, pad_limit=1.0) is None and batched_layout(layout[:1]) is None
+    # ... and a batch whose padded K/V would pass the bound (4 requests x 67 slots)
+    assert batched_layout(layout, max_slots=4 * 67 - 1) is None and batched_layout(layout, max_slots=4 * 67)
