@@ -282,12 +282,11 @@ def batched_layout(layout: VerifyLayout, pad_limit: float = PAD_LIMIT, max_slots
     bs, width, longest, device = len(layout), max(n for *_, n in layout), max(lens), layout[0][1].device
     slots = torch.zeros(bs, longest, dtype=torch.long, device=device)
     mask = torch.zeros(bs, 1, width, longest, dtype=torch.bool, device=device)
-    mask[:, 0, :, 0] = True  # padded query rows (cleared for the real ones)
     rows: list[int] = []
     for b, (seg, request_slots, _, n) in enumerate(layout):
         slots[b, : request_slots.shape[0]] = request_slots
-        mask[b, 0, :n] = False
         mask[b, 0, :n, : seg.shape[1]] = seg
+        mask[b, 0, n:, 0] = True  # its padded query rows see one key
         rows.extend(range(b * width, b * width + n))
     uniform = all(n == width for *_, n in layout)
     return slots, mask, None if uniform else torch.tensor(rows, dtype=torch.long, device=device)
