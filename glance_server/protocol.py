@@ -48,7 +48,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from glance_sgl.engine import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from glance_sgl.engine import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, offset_seed
 from glance_sgl.round import check_draft_sources
 
 from .config import ServerConfig
@@ -166,6 +166,8 @@ def sampling_params(config: ServerConfig, max_tokens: int | None, temperature: f
         raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "invalid_value", "stop")
     for k, s in enumerate(stops):
         check_text(s, f"stop[{k}]")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise bad_request(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {seed}", "invalid_value", "seed")
     if top_k is not None and top_k < -1:
         raise bad_request(f"top_k must be -1 or 0 (no limit) or at least 1, got {top_k}", "invalid_value", "top_k")
     min_p = 0.0 if min_p is None else float(min_p)
@@ -467,13 +469,14 @@ def glance_object(*, backend: str, mode: str, completion_tokens: int, rounds: in
 def choice_requests(req: GenRequest, n: int) -> list[GenRequest]:
     """The engine requests behind a request's ``n`` choices (OpenAI's ``n``). Greedy: one request, whose answer
     is every choice's (they would all be the same). Sampled: one request per choice, choice ``i`` seeded ``seed +
-    i`` (the same answer as a request with ``n`` 1 and that seed), or each drawing its own seed where the request
-    has none. The copies share the first one's prepared inputs; each has its own request id (``<id>-<i>``)."""
+    i`` (wrapped to 64 bits past ``2**63 - 1``: :func:`glance_sgl.engine.offset_seed`; the same answer as a request
+    with ``n`` 1 and that seed), or each drawing its own seed where the request has none. The copies share the first
+    one's prepared inputs; each has its own request id (``<id>-<i>``)."""
     if n <= 1 or req.params.temperature == 0.0:
         return [req]
     out = [req]
     for i in range(1, n):
-        seed = None if req.params.seed is None else req.params.seed + i
+        seed = None if req.params.seed is None else offset_seed(req.params.seed, i)
         out.append(dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seed),
                                        request_id=f"{req.request_id}-{i}"))
     return out

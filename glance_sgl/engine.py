@@ -38,6 +38,13 @@ from .verify import LogitRules, SamplingSpec, target_choices
 Mode = Literal["glance", "chain", "ar"]
 MAX_STOP_STRINGS = 8
 MAX_TOP_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a request's seed is a signed 64-bit integer, as SGLang's
+
+
+def offset_seed(seed: int, offset: int) -> int:
+    """``seed + offset`` wrapped into ``SEED_MIN .. SEED_MAX`` (two's complement): the seed of a request's
+    ``offset``-th choice, a valid seed for every backend whatever the first one's."""
+    return (seed + offset - SEED_MIN) % (1 << 64) + SEED_MIN
 
 
 class RequestError(ValueError):
@@ -88,6 +95,9 @@ class SamplingParams:
                 raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
             if not -100.0 <= float(bias) <= 100.0:
                 raise RequestError(f"logit_bias values must be in [-100, 100], got {bias!r}", param="logit_bias")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise RequestError(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {self.seed!r}", param="seed")
         if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)

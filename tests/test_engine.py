@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from glance_sgl.engine import GlanceEngine, RequestError, SamplingParams, StreamDelta
+from glance_sgl.engine import SEED_MAX, SEED_MIN, GlanceEngine, RequestError, SamplingParams, StreamDelta, offset_seed
 from glance_sgl.round import PHASES
 from glance_sgl.target import TargetError
+from glance_sgl.verify import seed_tensor
 
 from tests.glance_testing import make_prompts
 
@@ -144,11 +145,21 @@ def test_a_stream_runs_in_the_callers_thread_and_a_close_forgets_its_request(eng
 
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=0), SamplingParams(temperature=-1), SamplingParams(top_p=0),
-    SamplingParams(stop=[""]), SamplingParams(max_tokens=10**7),
+    SamplingParams(stop=[""]), SamplingParams(max_tokens=10**7), SamplingParams(temperature=1.0, seed=2**63),
+    SamplingParams(temperature=1.0, seed=-(2**63) - 1),
 ])
 def test_bad_sampling_params(engine, messages, params):
     with pytest.raises(RequestError):
         engine.generate(messages, params)
+
+
+def test_offset_seed_stays_a_64_bit_seed():
+    """A choice's seed (``seed + i``) wraps past the signed 64-bit range instead of leaving it: SGLang refuses a seed
+    outside it, and the sampling noise reads the seed's 64 bits (the wrapped seed draws what the unwrapped one
+    would)."""
+    assert offset_seed(5, 2) == 7 and offset_seed(-3, 1) == -2
+    assert offset_seed(SEED_MAX, 1) == SEED_MIN and offset_seed(SEED_MAX, 3) == SEED_MIN + 2
+    assert seed_tensor([SEED_MAX + 1]).tolist() == [offset_seed(SEED_MAX, 1)]
 
 
 @pytest.mark.parametrize("bad", [

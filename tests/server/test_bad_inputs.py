@@ -118,6 +118,8 @@ BAD = [
     ("logit_bias value out of range", chat(logit_bias={"21": 200}), 400, "invalid_value"),
     ("logit_bias beyond the vocabulary", chat(logit_bias={"99999999": 1}), 400, "invalid_request"),
     ("top_k below -1", chat(top_k=-2), 400, "invalid_value"),
+    ("seed beyond 64 bits", chat(temperature=1.0, seed=2**63), 400, "invalid_value"),
+    ("seed below -2**63", chat(temperature=1.0, seed=-(2**63) - 1), 400, "invalid_value"),
     # other servers' fields that would change the answer are refused (unknown ones like `user` are accepted)
     ("ignore_eos", chat(ignore_eos=True), 400, "unsupported_parameter"),
     ("stop_token_ids", chat(stop_token_ids=[21]), 400, "unsupported_parameter"),
@@ -172,6 +174,7 @@ BAD_COMPLETIONS = [
     ("special token in the prompt", {"prompt": "a <|image_pad|> b"}, 400, "special_token_in_text"),
     ("unknown model", {"prompt": "a", "model": "gpt-3.5-turbo-instruct"}, 404, "model_not_found"),
     ("temperature out of range", {"prompt": "a", "temperature": 3}, 400, "invalid_value"),
+    ("seed beyond 64 bits", {"prompt": "a", "temperature": 1.0, "seed": 2**64 + 3}, 400, "invalid_value"),
 ]
 
 

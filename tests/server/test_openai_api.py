@@ -237,6 +237,10 @@ def test_n_choices_are_the_answers_of_their_seeds(gateway):
                 assert chunk.model_extra["glance"]["completion_tokens"] > 0  # the choice's own metrics
     assert texts == alone and sorted(finished) == [0, 1, 2]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == both.usage.completion_tokens
+    # the largest seed: its second choice's seed wraps to the smallest one (a seed every backend takes)
+    top = c.chat.completions.create(**kwargs, seed=2**63 - 1, n=2)
+    assert top.choices[1].message.content == \
+        c.chat.completions.create(**kwargs, seed=-(2**63)).choices[0].message.content
     # legacy completions alike, and a batch of prompts: choice k * n + i is prompt k's i-th
     kwargs = dict(model=MODEL, max_tokens=8, temperature=1.0)
     prompts = ["once upon a time", "the robot said"]

@@ -79,6 +79,10 @@ def test_n_choices_through_sglang_backend(gateway, sglang_gateway):
         for ch in chunk.choices:
             texts[ch.index] += ch.delta.content or ""
     assert texts == want
+    # the largest seed: choice 1's seed wraps to -2**63, which SGLang takes (seed + 1 it would refuse)
+    edge = dict(kwargs, seed=2**63 - 1)
+    assert [ch.message.content for ch in proxied.create(**edge).choices] == \
+        [ch.message.content for ch in direct.create(**edge).choices]
 
 
 def test_native_generate_format(gateway, engine, auth):
