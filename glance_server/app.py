@@ -816,6 +816,15 @@ async def native_request(body: Any, config: ServerConfig, processor) -> GenReque
                         ("top_k", sp.get("top_k")), ("min_new_tokens", sp.get("min_new_tokens"))):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise bad_request(f"sampling_params.{name} must be an integer", "invalid_value", f"sampling_params.{name}")
+    for name in ("temperature", "top_p", "min_p"):
+        value = sp.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise bad_request(f"sampling_params.{name} must be a number", "invalid_value", f"sampling_params.{name}")
+    stop = sp.get("stop")
+    if stop is not None and not isinstance(stop, str) and \
+            not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad_request("sampling_params.stop must be a string or a list of strings", "invalid_value",
+                          "sampling_params.stop")
     if sp.get("logit_bias") is not None and not isinstance(sp["logit_bias"], dict):
         raise bad_request("sampling_params.logit_bias must be an object", "invalid_value", "sampling_params.logit_bias")
     params = sampling_params(config, sp.get("max_new_tokens", 128), sp.get("temperature", 1.0), sp.get("top_p"),

@@ -292,6 +292,8 @@ def test_native_generate_refuses_special_tokens_in_message_text(gateway, engine,
 @pytest.mark.parametrize("sampling,status", [
     ({"repetition_penalty": 1.2}, 400), ({"json_schema": "{}"}, 400), ({"best_of": 2}, 400),
     ({"top_k": "5"}, 400), ({"min_new_tokens": "4"}, 400), ({"logit_bias": [1]}, 400),
+    ({"temperature": "hot"}, 400), ({"top_p": True}, 400), ({"min_p": [0.1]}, 400), ({"stop": 5}, 400),
+    ({"stop": ["a", 1]}, 400), ({"sampling_seed": 2**64}, 400),
     ({"frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "top_k": -1, "min_p": 0.0}, 200),
     ({"top_k": 5, "min_p": 0.1, "temperature": 0.9, "sampling_seed": 3, "min_new_tokens": 2,
       "logit_bias": {"21": 1.0}}, 200)])
