@@ -46,7 +46,7 @@ import time
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from glance_sgl.engine import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, offset_seed
 from glance_sgl.round import check_draft_sources
@@ -83,26 +83,27 @@ class ChatMessage(BaseModel):
 
 
 class _GenerationBody(BaseModel):
-    """The fields chat and legacy completions requests share."""
+    """The fields chat and legacy completions requests share (numbers strict, as OpenAI's: a string or a boolean
+    where a number goes is refused, not read as one)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     n: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
     logit_bias: dict[str, Any] | None = None
     # the sampling extras of vLLM's and SGLang's OpenAI servers: top_k / min_p / min_tokens act as theirs do,
     # repetition_penalty is refused (never ignored)
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     min_tokens: StrictInt | None = None
     glance: GlanceOptions | None = None
 
