@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import re
 import sys
+import urllib.parse
 from pathlib import Path
+
+from glance_sgl.cli import int_in, positive_float
 
 from .config import MiB, RestartPolicy, ServerConfig, parse_api_keys
 
@@ -101,26 +106,29 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         _fail("--upstream is for --backend sglang")
     if args.upstream and args.planner:
         _fail("--planner cannot reach a running SGLang server (--upstream): start it with GLANCE_PLANNER=auto|fixed")
-    if args.threads is not None and args.threads < 1:
-        _fail(f"--threads {args.threads}: must be at least 1")
     if args.allow_remote_images and not args.remote_image_host:
         _fail("--allow-remote-images needs at least one --remote-image-host")
+    if args.default_max_tokens > args.max_tokens_limit:
+        _fail(f"--default-max-tokens {args.default_max_tokens} is above --max-tokens-limit {args.max_tokens_limit}")
     try:
         restart = RestartPolicy(max_restarts=args.sglang_max_restarts, window_s=args.sglang_restart_window,
                                 backoff_s=args.sglang_restart_backoff, max_backoff_s=args.sglang_restart_max_backoff)
     except ValueError as exc:
         _fail(str(exc))
-    return ServerConfig(
-        served_model_name=args.served_model_name, api_keys=api_keys, max_body_bytes=int(args.max_body_mb * MiB),
-        max_images=args.max_images, max_image_bytes=int(args.max_image_mb * MiB),
-        max_image_pixels=args.max_image_pixels, max_tokens_limit=args.max_tokens_limit,
-        default_max_tokens=min(args.default_max_tokens, args.max_tokens_limit), max_queue=args.max_queue,
-        upstream_concurrency=args.upstream_concurrency, request_timeout_s=args.request_timeout,
-        allow_remote_images=args.allow_remote_images, remote_image_hosts=args.remote_image_host or [],
-        trusted_image_networks=args.trusted_image_network or [], calibrate=not args.no_calibrate,
-        upstream_url=args.upstream, upstream_api_key=upstream_key, ar_ms_per_token=args.ar_ms_per_token,
-        sglang_restart=restart, debug_faults=args.debug_faults, threads=args.threads,
-    )
+    try:  # the flags' own types check them first; ServerConfig names a setting they let through
+        return ServerConfig(
+            served_model_name=args.served_model_name, api_keys=api_keys, max_body_bytes=int(args.max_body_mb * MiB),
+            max_images=args.max_images, max_image_bytes=int(args.max_image_mb * MiB),
+            max_image_pixels=args.max_image_pixels, max_tokens_limit=args.max_tokens_limit,
+            default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
+            upstream_concurrency=args.upstream_concurrency, request_timeout_s=args.request_timeout,
+            allow_remote_images=args.allow_remote_images, remote_image_hosts=args.remote_image_host or [],
+            trusted_image_networks=args.trusted_image_network or [], calibrate=not args.no_calibrate,
+            upstream_url=args.upstream, upstream_api_key=upstream_key, ar_ms_per_token=args.ar_ms_per_token,
+            sglang_restart=restart, debug_faults=args.debug_faults, threads=args.threads,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def build_app(args: argparse.Namespace):
@@ -254,19 +262,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_HOST_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def host_pattern(text: str) -> str:
+    """An argparse ``type`` for ``--remote-image-host``: a host name, ``*.`` and a domain, or an IP address."""
+    pattern = text.strip().lower().rstrip(".")
+    name = pattern[2:] if pattern.startswith("*.") else pattern
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+        return pattern
+    except ValueError:
+        pass
+    if not name or len(name) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in name.split(".")):
+        raise argparse.ArgumentTypeError(f"not a host name, *.domain or IP address: {text!r}")
+    return pattern
+
+
+def network(text: str) -> str:
+    """An argparse ``type`` for ``--trusted-image-network``: a network in CIDR notation (``10.0.0.0/8``)."""
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def upstream_url(text: str) -> str:
+    """An argparse ``type`` for ``--upstream``: an http(s) URL with a host."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"not an http(s) URL with a host: {text!r}")
+    return text
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible gateway (embedded engine or an SGLang upstream)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="0: a free port the system picks (the log says which)")
     p.add_argument("--backend", choices=["embedded", "sglang"], default="embedded")
-    p.add_argument("--upstream", help="SGLang server URL for --backend sglang (without it, the gateway launches "
+    p.add_argument("--upstream", type=upstream_url, help="SGLang server URL for --backend sglang (without it, the gateway launches "
                    "SGLang with the GLANCE plugin itself)")
-    p.add_argument("--sglang-port", type=int, default=30000, help="port of a launched SGLang server")
+    p.add_argument("--sglang-port", type=int_in(1, 65535), default=30000, help="port of a launched SGLang server")
     p.add_argument("--sglang-device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="launched SGLang: CPU mode or GPU (auto: GPU when CUDA is available)")
     p.add_argument("--sglang-args", default="", help="extra arguments for a launched sglang.launch_server")
-    p.add_argument("--sglang-timeout", type=float, default=900.0, help="seconds to wait for a launched SGLang "
+    p.add_argument("--sglang-timeout", type=positive_float, default=900.0, help="seconds to wait for a launched SGLang "
                    "(at start-up and at each restart)")
     p.add_argument("--sglang-log", metavar="FILE", default=None, help="the launched SGLang server's output, "
                    "appended across restarts (default: glance-sglang-PORT.log in the temp directory)")
@@ -303,31 +346,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile-drafter", choices=["on", "off"], default="on",
                    help="embedded backend on a CPU: the drafter's block pass through torch.compile (compiled "
                         "at start-up; default: on)")
-    p.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
-    p.add_argument("--branch-k", type=int, default=None)
+    p.add_argument("--budget", type=int_in(1), default=None, help="tree budget (default: the drafter's)")
+    p.add_argument("--branch-k", type=int_in(1), default=None)
     p.add_argument("--served-model-name", default="glance-demo")
     p.add_argument("--api-key-env", metavar="VAR", help="require 'Authorization: Bearer KEY' where KEY is $VAR, or "
                    "one of its comma-separated keys (one per tenant: --ngram-corpus per-key keeps their corpora "
                    "apart)")
-    p.add_argument("--max-queue", type=int, default=32, help="waiting requests before 429")
-    p.add_argument("--upstream-concurrency", type=int, default=16)
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--max-body-mb", type=float, default=32.0)
-    p.add_argument("--max-images", type=int, default=4)
-    p.add_argument("--max-image-mb", type=float, default=8.0)
-    p.add_argument("--max-image-pixels", type=int, default=16_777_216)
-    p.add_argument("--max-tokens-limit", type=int, default=2048)
-    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-queue", type=int_in(1), default=32, help="waiting requests before 429")
+    p.add_argument("--upstream-concurrency", type=int_in(1), default=16)
+    p.add_argument("--request-timeout", type=positive_float, default=600.0)
+    p.add_argument("--max-body-mb", type=positive_float, default=32.0)
+    p.add_argument("--max-images", type=int_in(0), default=4)
+    p.add_argument("--max-image-mb", type=positive_float, default=8.0)
+    p.add_argument("--max-image-pixels", type=int_in(1), default=16_777_216)
+    p.add_argument("--max-tokens-limit", type=int_in(1), default=2048)
+    p.add_argument("--default-max-tokens", type=int_in(1), default=256)
     p.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (allowlist)")
-    p.add_argument("--remote-image-host", action="append", metavar="HOST", help="allowed host or *.domain")
-    p.add_argument("--trusted-image-network", action="append", metavar="CIDR",
+    p.add_argument("--remote-image-host", action="append", metavar="HOST", type=host_pattern, help="allowed host or *.domain")
+    p.add_argument("--trusted-image-network", action="append", metavar="CIDR", type=network,
                    help="private network remote images may come from anyway")
-    p.add_argument("--ar-ms-per-token", type=float, default=None, help="sglang backend: AR cost for estimates")
+    p.add_argument("--ar-ms-per-token", type=positive_float, default=None, help="sglang backend: AR cost for estimates")
     p.add_argument("--no-calibrate", action="store_true", help="skip the start-up AR calibration")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads of the engine (default: the faster of torch's count and 1, timed at "
                         "start-up in the engine thread)")
-    p.add_argument("--limit-concurrency", type=int, default=None, help="uvicorn connection limit")
+    p.add_argument("--limit-concurrency", type=int_in(1), default=None, help="uvicorn connection limit")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--debug-faults", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)

@@ -91,13 +91,31 @@ class ServerConfig:
     # testing only: lets a request inject an engine failure ("glance": {"debug_fault": "engine_error"})
     debug_faults: bool = False
 
+    # the settings __post_init__ checks: (smallest value, whether 0 itself is refused: a count's floor is inclusive,
+    # a size's or a time's is not)
+    COUNTS = {"max_images": 0, "max_tokens_limit": 1, "default_max_tokens": 1, "max_prompt_chars": 1, "max_queue": 1,
+              "upstream_concurrency": 1, "remote_image_max_redirects": 0}
+    POSITIVE = ("max_body_bytes", "max_image_bytes", "max_image_pixels", "request_timeout_s", "remote_image_timeout_s",
+                "upstream_timeout_s", "upstream_connect_timeout_s")
+
     def __post_init__(self) -> None:
+        """Bad values raise ``ValueError`` naming the setting (``glance serve`` checks its flags before)."""
         self.keys: tuple[str, ...] = tuple(dict.fromkeys(k for k in (self.api_key, *self.api_keys) if k))
-        self.trusted_networks = [ipaddress.ip_network(n, strict=False) for n in self.trusted_image_networks]
-        if self.max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("threads must be >= 1")
+        for name, low in self.COUNTS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in (*self.POSITIVE, *(("ar_ms_per_token",) if self.ar_ms_per_token is not None else ())):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number above 0, got {value!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+        try:
+            self.trusted_networks = [ipaddress.ip_network(n, strict=False) for n in self.trusted_image_networks]
+        except ValueError as exc:
+            raise ValueError(f"trusted_image_networks: {exc}") from None
         if self.default_max_tokens > self.max_tokens_limit:
             self.default_max_tokens = self.max_tokens_limit
 

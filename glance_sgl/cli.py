@@ -11,9 +11,10 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SUBCOMMAND_MODULES = [
     "glance_sgl.cli",  # generate (below)
@@ -26,6 +27,34 @@ SUBCOMMAND_MODULES = [
 
 class CLIError(Exception):
     """A user-facing error: printed as ``glance: error: ...`` with exit code 2."""
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``low .. high`` (``high`` None: no upper bound); anything else is
+    argparse's error naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            rule = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
 
 
 def default_checkpoints() -> tuple[Path | None, Path | None]:

@@ -286,6 +286,9 @@ class GlanceEngine:
     ) -> None:
         if planner not in PLANNER_MODES:
             raise ValueError(f"planner must be one of {PLANNER_MODES}, got {planner!r}")
+        for name, value in (("budget", budget), ("branch_k", branch_k), ("max_nodes", max_nodes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (None: the drafter's), got {value!r}")
         self.target = target
         self.drafter = drafter
         if drafter is not None:

@@ -71,6 +71,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ..cli import int_in
+
     demo = sub.add_parser("demo", help="the bundled demo VLM and drafter")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     build = demo_sub.add_parser("build", help="rebuild the demo VLM and its drafter from scratch (fixed seeds)")
@@ -88,12 +90,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "six; --sweep: the five demo tasks)")
     bench.add_argument("--planner", choices=["auto", "fixed"], default=None,
                        help="run only this GLANCE planner (default: both, auto and the fixed tree)")
-    bench.add_argument("--max-tokens", type=int, default=96)
+    bench.add_argument("--max-tokens", type=int_in(1), default=96)
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="sample at this temperature (prompt i seeded i, every method alike: each must give "
                             "AR's tokens); default 0, greedy. The HF peers run greedy only (skipped at T > 0)")
-    bench.add_argument("--budget", type=int, default=None, help="tree budget (default: the drafter's)")
-    bench.add_argument("--branch-k", type=int, default=None)
+    bench.add_argument("--budget", type=int_in(1), default=None, help="tree budget (default: the drafter's)")
+    bench.add_argument("--branch-k", type=int_in(1), default=None)
     bench.add_argument("--model", help="target directory (default: bundled demo)")
     bench.add_argument("--drafter", help="drafter directory (default: bundled demo)")
     bench.add_argument("--no-peers", action="store_true", help="skip the Hugging Face generate peers")

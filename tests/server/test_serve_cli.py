@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -48,7 +49,22 @@ def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
      "--ngram-corpus scopes the n-gram source's corpus"),
     (["serve", "--mode", "chain", "--ngram-corpus", "off"], "--ngram-corpus scopes the n-gram source's corpus"),
     (["serve", "--ngram-corpus", "tenant"], "invalid choice: 'tenant'"),
-    (["serve", "--threads", "0"], "--threads 0: must be at least 1"),
+    (["serve", "--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    # every number and address a flag takes is checked before anything loads (none was, and a server ran on them)
+    (["serve", "--port", "99999"], "argument --port: must be between 0 and 65535, got 99999"),
+    (["serve", "--sglang-port", "0"], "argument --sglang-port: must be between 1 and 65535"),
+    (["serve", "--budget", "0"], "argument --budget: must be at least 1, got 0"),
+    (["serve", "--branch-k", "-2"], "argument --branch-k: must be at least 1"),
+    (["serve", "--max-queue", "0"], "argument --max-queue: must be at least 1"),
+    (["serve", "--max-image-pixels", "0"], "argument --max-image-pixels: must be at least 1"),
+    (["serve", "--max-images", "two"], "argument --max-images: not an integer: 'two'"),
+    (["serve", "--request-timeout", "-5"], "argument --request-timeout: must be a number above 0"),
+    (["serve", "--max-body-mb", "nan"], "argument --max-body-mb: must be a number above 0"),
+    (["serve", "--sglang-timeout", "inf"], "argument --sglang-timeout: must be a number above 0"),
+    (["serve", "--default-max-tokens", "99999"], "--default-max-tokens 99999 is above --max-tokens-limit 2048"),
+    (["serve", "--remote-image-host", "bad host"], "argument --remote-image-host: not a host name"),
+    (["serve", "--trusted-image-network", "notacidr"], "argument --trusted-image-network: 'notacidr' does not"),
+    (["serve", "--backend", "sglang", "--upstream", "ftp://x"], "argument --upstream: not an http(s) URL"),
     (["serve", "--draft-sources", "ngram", "--mode", "chain"], "--mode glance"),
     (["serve", "--backend", "sglang", "--upstream", "http://127.0.0.1:9", "--draft-sources", "drafter,ngram"],
      "GLANCE_DRAFT_SOURCES"),
@@ -58,6 +74,33 @@ def test_missing_bundled_demo_is_a_clear_error(monkeypatch, tmp_path, capsys):
 def test_serve_argument_errors(argv, message, capsys, checkpoints):
     code, err = run_cli(argv, capsys)
     assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"max_images": -1}, "max_images must be an integer >= 0"), ({"max_queue": 0}, "max_queue must be an integer"),
+    ({"request_timeout_s": 0}, "request_timeout_s must be a number above 0"),
+    ({"max_image_pixels": True}, "max_image_pixels must be a number above 0"),
+    ({"ar_ms_per_token": -1.0}, "ar_ms_per_token must be a number above 0"),
+    ({"threads": 0}, "threads must be an integer >= 1"),
+    ({"trusted_image_networks": ["10.0.0.0/33"]}, "trusted_image_networks:"),
+])
+def test_server_config_refuses_bad_settings(settings, message):
+    from glance_server.config import ServerConfig
+
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**settings)
+
+
+def test_host_and_network_flags_take_their_forms():
+    from glance_server.cli import host_pattern, network, upstream_url
+
+    assert [host_pattern(h) for h in ("Images.Example.com.", "*.example.com", "10.0.0.5", "::1", "localhost")] == \
+        ["images.example.com", "*.example.com", "10.0.0.5", "::1", "localhost"]
+    assert network("10.0.0.0/8") == "10.0.0.0/8" and upstream_url("https://h:30000/") == "https://h:30000/"
+    for bad, parse in (("*.", host_pattern), ("a_b.com", host_pattern), ("-a.com", host_pattern),
+                       ("10.0.0.0/40", network), ("http://", upstream_url), ("127.0.0.1:30000", upstream_url)):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
 
 
 @pytest.mark.parametrize("value", ["", "a,,b", " , "])
