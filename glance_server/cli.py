@@ -303,8 +303,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
                    help="0: a free port the system picks (the log says which)")
     p.add_argument("--backend", choices=["embedded", "sglang"], default="embedded")
-    p.add_argument("--upstream", type=upstream_url, help="SGLang server URL for --backend sglang (without it, the gateway launches "
-                   "SGLang with the GLANCE plugin itself)")
+    p.add_argument("--upstream", type=upstream_url, help="SGLang server URL for --backend sglang (without it, the "
+                   "gateway launches SGLang with the GLANCE plugin itself)")
     p.add_argument("--sglang-port", type=int_in(1, 65535), default=30000, help="port of a launched SGLang server")
     p.add_argument("--sglang-device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="launched SGLang: CPU mode or GPU (auto: GPU when CUDA is available)")
@@ -362,7 +362,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens-limit", type=int_in(1), default=2048)
     p.add_argument("--default-max-tokens", type=int_in(1), default=256)
     p.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (allowlist)")
-    p.add_argument("--remote-image-host", action="append", metavar="HOST", type=host_pattern, help="allowed host or *.domain")
+    p.add_argument("--remote-image-host", action="append", metavar="HOST", type=host_pattern,
+                   help="allowed host or *.domain")
     p.add_argument("--trusted-image-network", action="append", metavar="CIDR", type=network,
                    help="private network remote images may come from anyway")
     p.add_argument("--ar-ms-per-token", type=positive_float, default=None, help="sglang backend: AR cost for estimates")
