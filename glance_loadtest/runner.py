@@ -84,6 +84,11 @@ class LoadConfig:
         lo, hi = self.wait_time
         if lo < 0 or hi < lo:
             raise ValueError("wait_time: 0 <= lo <= hi")
+        lo, hi = self.prompt_words
+        if lo < 1 or hi < lo:
+            raise ValueError(f"prompt_words: 1 <= lo <= hi, got {lo}-{hi}")
+        if not 0.0 <= self.temperature <= 2.0:  # the gateway's (OpenAI's) range: every request would be refused
+            raise ValueError(f"temperature must be within [0, 2], got {self.temperature}")
         parse_slos(self.goodput)
 
     @property

@@ -47,7 +47,9 @@ def test_run_time_bounds_the_run():
 
 @pytest.mark.parametrize("bad", [dict(run_time=0), dict(run_time=10 ** 6), dict(users=0), dict(num_requests=0),
                                  dict(request_rate=0), dict(max_concurrency=0), dict(stream_fraction=2),
-                                 dict(goodput=["latency:5"]), dict(goodput=["ttft:-1"]), dict(wait_time=(2, 1))])
+                                 dict(goodput=["latency:5"]), dict(goodput=["ttft:-1"]), dict(wait_time=(2, 1)),
+                                 dict(prompt_words=(5, 2)), dict(prompt_words=(0, 3)), dict(temperature=9.0),
+                                 dict(temperature=float("nan"))])
 def test_config_rejects_unbounded_or_bad_settings(bad):
     with pytest.raises(ValueError):
         LoadConfig(**bad).validate()
