@@ -88,6 +88,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..cli import int_in
 from ..metrics import add_ms, ms_per_step
 from .plugin import STEP_PARTS_KEY
 from .step_timing import GAP_HEAD, STEP_HEAD, STEP_TIMING_KEY, gap_table, step_table
@@ -747,8 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,16", help="demo requests in flight, comma-separated")
     p.add_argument("--wild", type=int, default=16, help="wild requests (noise / photo-like images; 0: none)")
     p.add_argument("--wild-concurrency", default="1,8", help="wild requests in flight, comma-separated")
-    p.add_argument("--ngram-draft-tokens", type=int, default=8)
-    p.add_argument("--glance-draft-tokens", type=int, default=None,
+    p.add_argument("--ngram-draft-tokens", type=int_in(2), default=8, help="NGRAM's rows per step (root included)")
+    p.add_argument("--glance-draft-tokens", type=int_in(2), default=None,
                    help="GLANCE rows reserved per step (tree budget + 1; default 32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: every engine without CUDA graphs")
