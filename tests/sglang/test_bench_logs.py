@@ -248,10 +248,12 @@ def test_repeat_runs_only_the_scenarios_that_replay_answers_and_is_bounded(capsy
 
 def test_engine_runs_is_bounded_and_needs_the_interleaved_harness(capsys):
     """``--engine-runs``: the interleaved run again with fresh engines (pooled); a bad count, or asking for it
-    without ``--interleave``, is a CLI error naming the flag."""
+    without ``--interleave``, is a CLI error naming the flag (as is a step of fewer than 2 rows)."""
     for argv, message in ((["--engine-runs", "0", "--interleave"], "--engine-runs must be in [1, 10]"),
                           (["--engine-runs", "11", "--interleave"], "--engine-runs must be in [1, 10]"),
-                          (["--engine-runs", "2"], "give --interleave")):
+                          (["--engine-runs", "2"], "give --interleave"),
+                          (["--ngram-draft-tokens", "0"], "argument --ngram-draft-tokens: must be at least 2"),
+                          (["--glance-draft-tokens", "1"], "argument --glance-draft-tokens: must be at least 2")):
         with pytest.raises(SystemExit) as exc:
             bench.main([*argv, "--methods", "none"])
         assert exc.value.code == 2 and message in capsys.readouterr().err
