@@ -91,8 +91,8 @@ class ServerConfig:
     # testing only: lets a request inject an engine failure ("glance": {"debug_fault": "engine_error"})
     debug_faults: bool = False
 
-    # the settings __post_init__ checks: (smallest value, whether 0 itself is refused: a count's floor is inclusive,
-    # a size's or a time's is not)
+    # the settings __post_init__ checks: counts (integers, each with its smallest value) and sizes and times (numbers
+    # above 0)
     COUNTS = {"max_images": 0, "max_tokens_limit": 1, "default_max_tokens": 1, "max_prompt_chars": 1, "max_queue": 1,
               "upstream_concurrency": 1, "remote_image_max_redirects": 0}
     POSITIVE = ("max_body_bytes", "max_image_bytes", "max_image_pixels", "request_timeout_s", "remote_image_timeout_s",
