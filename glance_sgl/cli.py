@@ -42,7 +42,6 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
         return value
 
-    parse.__name__ = "integer"
     return parse
 
 

@@ -33,7 +33,7 @@ from .planner import PLANNER_MODES, AlwaysDraft, Planner, PlannerMode
 from .round import DRAFT_SOURCES, RoundBatch, calibrate_round, check_draft_sources, speculative_round
 from .target import CachePass, PreparedPrompt, RowsOutput, TargetAdapter, TargetError, TargetState
 from .tree import max_tree_size
-from .verify import LogitRules, SamplingSpec, target_choices
+from .verify import LogitRules, SamplingSpec, target_choices, wrap_seed
 
 Mode = Literal["glance", "chain", "ar"]
 MAX_STOP_STRINGS = 8
@@ -42,9 +42,9 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a request's seed is a signed 6
 
 
 def offset_seed(seed: int, offset: int) -> int:
-    """``seed + offset`` wrapped into ``SEED_MIN .. SEED_MAX`` (two's complement): the seed of a request's
-    ``offset``-th choice, a valid seed for every backend whatever the first one's."""
-    return (seed + offset - SEED_MIN) % (1 << 64) + SEED_MIN
+    """``seed + offset`` wrapped into ``SEED_MIN .. SEED_MAX`` (:func:`glance_sgl.verify.wrap_seed`): the seed of a
+    request's ``offset``-th choice, a valid seed for every backend whatever the first one's."""
+    return wrap_seed(seed + offset)
 
 
 class RequestError(ValueError):

@@ -66,10 +66,14 @@ def _host_uniforms(keys: list[int], indices: list[list[int]]) -> torch.Tensor:
                         dtype=torch.float64)
 
 
+def wrap_seed(seed: int) -> int:
+    """A Python int as the signed 64-bit seed it stands for (two's complement): the 64 bits the uniforms read."""
+    return (int(seed) + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 def seed_tensor(seeds: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Python seeds (any int) -> [B] int64, each wrapped to 64 bits (the uniforms read all 64)."""
-    return torch.tensor([(int(s) + (1 << 63)) % (1 << 64) - (1 << 63) for s in seeds], dtype=torch.long,
-                        device=device)
+    """Python seeds (any int) -> [B] int64, each wrapped to 64 bits (:func:`wrap_seed`)."""
+    return torch.tensor([wrap_seed(s) for s in seeds], dtype=torch.long, device=device)
 
 
 def counter_uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
